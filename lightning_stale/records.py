@@ -1,0 +1,36 @@
+"""What an engine reports about each server update, for loggers and plots.
+
+Both engines (the real parameter server and the virtual-clock simulator) keep a queue of
+`UpdateRecord`s that `WallClockLogger` drains through ``strategy.pop_update_records()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """One server update w_j -> w_{j+1} (PAPER.md, update rule).
+
+    Attributes:
+        update: the server version after this update (1 for the first update).
+        clock: the engine's clock when the update was applied: ``time.monotonic()`` seconds
+            for the real engine, virtual seconds since the start for the simulator
+            (see ``strategy.virtual_clock``).
+        samples: samples in all gradients applied so far, this update included.
+        loss: mean training loss reported with the gradients averaged into this update.
+        staleness_mean: mean of j - tau(l, j) over the gradients of this update.
+        staleness_max: the largest j - tau(l, j) in this update.
+        num_gradients: how many gradients were averaged (K, or fewer after a flush).
+        k: the K in force for this update.
+    """
+
+    update: int
+    clock: float
+    samples: int
+    loss: float
+    staleness_mean: float
+    staleness_max: int
+    num_gradients: int
+    k: int
