@@ -1,1 +1,21 @@
+"""Data modules: scikit-learn digits (default, embedded), MNIST and CIFAR-10 from local files,
+and a generated strongly convex least-squares problem with exact constants."""
 
+from lightning_stale.data.base import InMemoryDataModule, NormalizedImageDataset
+from lightning_stale.data.cifar10 import CIFAR10_FILES, CIFAR10DataModule, read_cifar_batch
+from lightning_stale.data.convex import ConvexDataModule
+from lightning_stale.data.digits import DigitsDataModule
+from lightning_stale.data.mnist import MNIST_FILES, MNISTDataModule, read_idx
+
+__all__ = [
+    "CIFAR10DataModule",
+    "CIFAR10_FILES",
+    "ConvexDataModule",
+    "DigitsDataModule",
+    "InMemoryDataModule",
+    "MNISTDataModule",
+    "MNIST_FILES",
+    "NormalizedImageDataset",
+    "read_cifar_batch",
+    "read_idx",
+]

@@ -1,1 +1,23 @@
+"""Networks (plain nn.Modules built as ``Net(input_shape, num_classes, ...)``) and the
+LightningModules that train them: ``Classifier`` and, for the convex problem, ``LeastSquares``."""
 
+from lightning_stale.models.classifier import Classifier, build_net, make_optimizer
+from lightning_stale.models.least_squares import LeastSquares
+from lightning_stale.models.nets import MLP, LeNet, LinearRegression, LogisticRegression
+from lightning_stale.models.resnet import ResNet
+
+# Alias: the convex problem is a regularised linear regression.
+ConvexRegression = LeastSquares
+
+__all__ = [
+    "Classifier",
+    "ConvexRegression",
+    "LeNet",
+    "LeastSquares",
+    "LinearRegression",
+    "LogisticRegression",
+    "MLP",
+    "ResNet",
+    "build_net",
+    "make_optimizer",
+]
