@@ -1,0 +1,269 @@
+"""Every config option and every recipe composes, validates and instantiates; bad input fails early.
+
+Each group option is composed once on top of the defaults, with only the overrides it needs to
+make sense (a stale variant needs an engine that can run it, least squares needs the convex
+data, ...). Every ``_target_`` in the result must accept the keys its config gives it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import pickle
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra.errors import MissingConfigException
+from hydra.utils import get_method, instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from lightning_stale.config import (ConfigError, EngineNotAvailableError, compose_config,
+                                    strategy_class, validate_config)
+from lightning_stale.train import train
+
+CONF = Path(str(files("lightning_stale.conf")))
+RECIPES = Path(str(files("lightning_stale.recipes")))
+GROUPS = ("data", "model", "variant", "delay", "trainer", "logger", "engine")
+OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
+RECIPE_NAMES = sorted(path.stem for path in RECIPES.glob("*.yaml"))
+# Keyword arguments train() adds to the configs' own when it instantiates them.
+ADDED_BY_TRAIN = {
+    "model": {"input_shape", "num_classes"},
+    "trainer": {"strategy", "callbacks", "logger", "default_root_dir"},
+}
+
+
+# ------------------------------------------------------------------ tiny data files
+
+
+def write_tiny_mnist(root: Path, count: int = 20) -> None:
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix in ("train", "t10k"):
+        images = rng.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
+        labels = (np.arange(count) % 10).astype(np.uint8)
+        for kind, array in (("images-idx3", images), ("labels-idx1", labels)):
+            # IDX: 0, 0, type 0x08 (ubyte), ndim; big-endian int32 sizes; the bytes.
+            header = bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, ">i4").tobytes()
+            (raw / f"{prefix}-{kind}-ubyte").write_bytes(header + array.tobytes())
+
+
+def write_tiny_cifar10(root: Path, count: int = 20) -> None:
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, size=(count, 3072), dtype=np.uint8),
+                 b"labels": [i % 10 for i in range(count)]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+
+
+def write_trace(path: Path, learners: int = 4) -> None:
+    rows = ["learner,index,delay_s"]
+    rows += [f"{learner},{index},0.01" for learner in range(learners) for index in range(3)]
+    path.write_text("\n".join(rows) + "\n")
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    write_tiny_mnist(root)
+    write_tiny_cifar10(root)
+    write_trace(root / "trace.csv")
+    return root
+
+
+def needed_overrides(group: str, option: str, data_root: Path) -> list[str]:
+    """What an option needs besides the defaults to form a runnable config."""
+    overrides = [f"{group}={option}"]
+    if group == "variant" and option != "sync" or group == "delay" and option != "none":
+        overrides.append("engine=server")  # stale variants and stragglers need the server
+    if group == "model" and option == "least_squares":
+        overrides.append("data=convex")
+    if group == "data" and option == "convex":
+        overrides.append("model=least_squares")
+    if group == "data" and option in ("mnist", "cifar10"):
+        overrides += [f"data.data_dir={data_root}", "data.batch_size=4"]  # 20 images a split
+    if group == "delay" and option == "trace":
+        overrides.append(f"delay.path={data_root / 'trace.csv'}")
+    return overrides
+
+
+# ------------------------------------------------------------------ signature checks
+
+
+def target_nodes(node, path: str = ""):
+    """(path, node) for every config node with a ``_target_``, depth first."""
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield path, node
+        for key in node:
+            yield from target_nodes(node._get_node(key), f"{path}.{key}" if path else str(key))
+    elif isinstance(node, ListConfig):
+        for index, item in enumerate(node):
+            yield from target_nodes(item, f"{path}[{index}]")
+
+
+def check_signature(path: str, node: DictConfig, extra: set[str] = frozenset()) -> bool:
+    """Assert the target accepts every key of ``node``; False if the target is not importable."""
+    target = node._target_
+    try:
+        function = get_method(target)  # classes too
+    except Exception:
+        if path == "engine.strategy":
+            return False  # an engine not built yet; strategy_class() reports it
+        raise
+    parameters = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return True
+    keys = {str(key) for key in node if not str(key).startswith("_")} | set(extra)
+    unknown = keys - set(parameters)
+    assert not unknown, f"{path}: {target} takes no {sorted(unknown)}; it takes {list(parameters)}"
+    return True
+
+
+def check_all_signatures(cfg: DictConfig) -> None:
+    for path, node in target_nodes(cfg):
+        check_signature(path, node, ADDED_BY_TRAIN.get(path, set()))
+
+
+# ------------------------------------------------------------------ instantiation
+
+
+def instantiate_all(cfg: DictConfig, output_dir: Path) -> None:
+    """Build what train() builds, without fitting."""
+    validate_config(cfg)
+    cfg = cfg.copy()
+    cfg.output_dir = str(output_dir)
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    model = instantiate(cfg.model, input_shape=datamodule.input_shape,
+                        num_classes=datamodule.num_classes)
+    x, _ = next(iter(datamodule.train_dataloader()))
+    assert torch.isfinite(model(x)).all()
+    delay = instantiate(cfg.delay)
+    if hasattr(delay, "sample"):
+        assert math.isfinite(delay.sample(0))
+    logger = instantiate(cfg.logger) if cfg.logger else False
+    try:
+        strategy_class(cfg)
+    except EngineNotAvailableError as error:
+        assert "not built yet" in str(error) and "engine=ddp variant=sync" in str(error)
+        strategy = None  # the Trainer is still checked, with Lightning's default strategy
+    else:
+        strategy = instantiate(cfg.engine.strategy)
+    trainer_cfg = cfg.trainer
+    if trainer_cfg.accelerator == "gpu" and not torch.cuda.is_available():
+        trainer_cfg = OmegaConf.merge(trainer_cfg, {"accelerator": "cpu", "devices": 1})
+        strategy = None  # a GPU strategy's checks need a GPU; its signature was checked
+    trainer = instantiate(trainer_cfg, strategy=strategy or "auto", logger=logger,
+                          default_root_dir=str(output_dir))
+    assert trainer.max_steps == cfg.trainer.max_steps
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_every_group_has_options():
+    found = {group for group, _ in OPTIONS}
+    assert found == set(GROUPS)
+    assert {option for group, option in OPTIONS if group == "variant"} == {
+        "sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"}
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_option_composes_and_instantiates(group, option, data_root, tmp_path):
+    cfg = compose_config("train", needed_overrides(group, option, data_root))
+    check_all_signatures(cfg)
+    instantiate_all(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_recipe_composes_and_instantiates(recipe, tmp_path):
+    text = (RECIPES / f"{recipe}.yaml").read_text()
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert f"python -m lightning_stale.train --config-name={recipe}" in header
+    cfg = compose_config(recipe)
+    check_all_signatures(cfg)
+    instantiate_all(cfg, tmp_path)
+
+
+def test_digits_k_async_recipe_settings():
+    cfg = compose_config("digits_k_async")
+    assert (cfg.variant.name, cfg.variant.k, cfg.engine.name) == ("k_async", 2, "server")
+    assert cfg.trainer.devices == 4 and cfg.data._target_.endswith("DigitsDataModule")
+    assert cfg.delay._target_ == "lightning_stale.delays.ShiftedExponential"
+    assert cfg.engine.strategy.delay.shift == cfg.delay.shift  # the engine gets the delay
+
+
+def test_default_config():
+    cfg = compose_config()
+    assert cfg.data._target_ == "lightning_stale.data.DigitsDataModule"
+    assert cfg.variant.name == "sync" and cfg.trainer.devices == 4
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.enable_progress_bar is False
+
+
+def test_variant_k_override():
+    cfg = compose_config("train", ["variant=k_async", "variant.k=2", "engine=server"])
+    assert (cfg.variant.name, cfg.variant.k) == ("k_async", 2)
+    assert cfg.engine.strategy.k == 2 and cfg.engine.strategy.variant == "k_async"
+
+
+def test_simulated_engine_runs_in_one_process():
+    cfg = compose_config("train", ["engine=simulated", "variant=k_sync", "variant.k=3"])
+    assert cfg.trainer.devices == 1 and cfg.engine.strategy.num_learners == 4
+    with pytest.raises(ConfigError, match=r"K=5"):
+        compose_config("train", ["engine=simulated", "variant=k_sync", "variant.k=5"])
+    with pytest.raises(ConfigError, match="num_learners"):
+        compose_config("train", ["engine=simulated", "trainer.devices=4"])
+
+
+def test_unknown_variant_lists_the_options():
+    with pytest.raises(MissingConfigException) as error:
+        compose_config("train", ["variant=nonexistent"])
+    assert "nonexistent" in str(error.value) and "k_batch_async" in str(error.value)
+    with pytest.raises(ConfigError, match=r"'bogus'.*sync, k_sync, k_batch_sync"):
+        compose_config("train", ["variant.name=bogus"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["engine=server", "variant=k_async", "variant.k=9"], r"variant\.k=9 .*P=4"),
+    (["engine=server", "variant=k_sync", "variant.k=3", "trainer.devices=2"],
+     r"variant\.k=3 .*P=2"),
+    (["engine=ddp", "variant=k_async"], r"engine=ddp runs only variant=sync.*variant=k_async"),
+    (["engine=ddp", "delay=exponential"], r"engine=ddp cannot inject.*Exponential.*delay=none"),
+    (["engine=server", "variant=sync", "variant.k=2"], r"'sync' means K=P=4"),
+    (["engine=server", "delay=slow_learners", "delay.learners=[7]"], r"learner 7"),
+    (["engine=server", "delay=trace"], r"delay\.path"),
+])
+def test_bad_config_fails_before_training(overrides, message, monkeypatch):
+    with pytest.raises(ConfigError, match=message):
+        compose_config("train", overrides)
+    cfg = compose_config("train", overrides, validate=False)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("train() instantiated something before rejecting the config")
+
+    monkeypatch.setattr("lightning_stale.train.instantiate", must_not_run)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg)
+
+
+def test_server_engine_gets_variant_k_and_delay_object(monkeypatch):
+    """The wiring train() relies on, checked against a stand-in for the strategy class."""
+    import lightning_stale
+    from lightning_stale.delays import ShiftedExponential
+    from lightning_stale.train import build_strategy
+
+    class RecordingStrategy:
+        def __init__(self, variant, k=None, delay=None):
+            self.variant, self.k, self.delay = variant, k, delay
+
+    monkeypatch.setattr(lightning_stale, "StaleStrategy", RecordingStrategy, raising=False)
+    strategy = build_strategy(compose_config("digits_k_async"))
+    assert (strategy.variant, strategy.k) == ("k_async", 2)
+    assert isinstance(strategy.delay, ShiftedExponential) and strategy.delay.shift == 0.01
