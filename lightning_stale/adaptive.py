@@ -1,0 +1,147 @@
+"""Gradually increasing synchrony: K grows as the training loss falls (AdaSync).
+
+PAPER.md, "Gradually increasing synchrony"; Dutta, Wang, Joshi, "Slow and Stale Gradients Can
+Win the Race" (arXiv 2003.10579, adaptive synchronicity). Training time is split into
+wall-clock intervals of length T0; at the start of interval l,
+
+    K_l = ceil(K_0 * sqrt(F(w_0) / F(w_{l T0}))),   capped at P, never decreasing.
+
+Small K first (fast decay of the error), larger K later (a lower error floor): the schedule
+follows the lower envelope of the fixed-K error-runtime curves.
+
+F is not observable during training, so it is estimated from the training losses the engine
+reports with its updates (each the mean mini-batch loss of the gradients averaged into one
+update):
+
+* F(w_0): the mean of the first ``window`` update losses (fewer if the first boundary comes
+  first); they were computed at or near w_0.
+* F(w_{l T0}): the mean of the last ``window`` update losses when the first update at or after
+  the boundary l T0 is observed (a running mean over a short window smooths mini-batch noise
+  while following the trend).
+
+Pure logic with no torch: the simulated engine calls `observe` with virtual seconds after each
+update, the real engine with wall seconds from its server thread. Losses must be positive (the
+rule is a ratio of losses); non-finite losses are ignored, and a non-positive current estimate
+counts as "converged" and raises K to its cap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class AdaptiveK:
+    """The AdaSync schedule of K (see the module docstring).
+
+    Args:
+        k0: K_0, the K of the first interval.
+        interval_s: T0, the interval length in the engine's seconds (virtual or wall).
+        max_k: cap on K; None means P, which the engine sets with `limit`.
+        window: how many recent update losses the running mean of F uses.
+
+    Attributes:
+        k: the K in force.
+        history: (time_s, K) pairs, starting with (0.0, k0) and one more each time K grows.
+    """
+
+    def __init__(self, k0: int, interval_s: float, max_k: int | None = None,
+                 window: int = 10) -> None:
+        self.k0 = _check_int("AdaptiveK k0", k0, 1)
+        interval_s = float(interval_s)
+        if not (interval_s > 0 and math.isfinite(interval_s)):
+            raise ValueError(f"AdaptiveK interval_s must be a finite number > 0, "
+                             f"got {interval_s!r}")
+        self.interval_s = interval_s
+        if max_k is not None:
+            _check_int("AdaptiveK max_k", max_k, 1)
+            if max_k < k0:
+                raise ValueError(f"AdaptiveK max_k={max_k} is below k0={k0}")
+        self.max_k = max_k
+        self.window = _check_int("AdaptiveK window", window, 1)
+        self.reset()
+
+    @classmethod
+    def create(cls, spec: Any, k0: int) -> AdaptiveK | None:
+        """From None, an `AdaptiveK`, a mapping of the constructor's arguments (``k0`` defaults to
+        the given one), or a number: the interval T0 in seconds, starting from ``k0``."""
+        if spec is None or isinstance(spec, AdaptiveK):
+            return spec
+        if isinstance(spec, Mapping):
+            return cls(**{"k0": k0, **dict(spec)})
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+            return cls(k0, float(spec))
+        raise ValueError(f"adaptive_k must be None, an AdaptiveK, a dict of its arguments or an "
+                         f"interval in seconds, got {spec!r}")
+
+    def reset(self) -> None:
+        """Forget everything observed: K back to k0."""
+        self.k = self.k0
+        self.history: list[tuple[float, int]] = [(0.0, self.k0)]
+        self.initial_loss: float | None = None
+        self._first_losses: list[float] = []
+        self._recent: deque[float] = deque(maxlen=self.window)
+        self._next_boundary = self.interval_s
+
+    def limit(self, p: int) -> None:
+        """Cap K at P learners (the engine calls this); K_0 must not exceed P."""
+        _check_int("the number of learners P", p, 1)
+        if self.k0 > p:
+            raise ValueError(f"AdaptiveK k0={self.k0} exceeds the number of learners P={p}")
+        self.max_k = p if self.max_k is None else min(self.max_k, p)
+
+    @property
+    def current_loss(self) -> float | None:
+        """The running-mean estimate of F at the latest observation."""
+        return sum(self._recent) / len(self._recent) if self._recent else None
+
+    def target_k(self, initial_loss: float, current_loss: float) -> int:
+        """ceil(K_0 sqrt(F(w_0) / F(w))), capped at max_k (not yet the never-decrease rule)."""
+        cap = self.max_k if self.max_k is not None else math.inf
+        if current_loss <= 0:
+            return int(cap) if math.isfinite(cap) else self.k
+        # The small tolerance keeps an exact ratio such as 2 * sqrt(4) from rounding up to 5.
+        k = math.ceil(self.k0 * math.sqrt(max(initial_loss, 0.0) / current_loss) - 1e-9)
+        return int(min(max(k, 1), cap))
+
+    def observe(self, time_s: float, loss: float) -> int | None:
+        """Report one update's loss at engine time ``time_s``; returns the new K when an interval
+        boundary was crossed and K grew, else None."""
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return None
+        self._recent.append(loss)
+        if self.initial_loss is None:
+            self._first_losses.append(loss)
+            if len(self._first_losses) == self.window:
+                self._freeze_initial_loss()
+        if time_s < self._next_boundary:
+            return None
+        # Several intervals may have passed since the last update: the next boundary is the one
+        # after the interval that time_s falls in.
+        self._next_boundary = (math.floor(time_s / self.interval_s) + 1) * self.interval_s
+        if self.initial_loss is None:
+            self._freeze_initial_loss()
+        assert self.initial_loss is not None and self.current_loss is not None
+        k = max(self.k, self.target_k(self.initial_loss, self.current_loss))
+        if k == self.k:
+            return None
+        self.k = k
+        self.history.append((float(time_s), k))
+        return k
+
+    def _freeze_initial_loss(self) -> None:
+        self.initial_loss = sum(self._first_losses) / len(self._first_losses)
+        self._first_losses = []
+
+    def __repr__(self) -> str:
+        return (f"AdaptiveK(k0={self.k0}, interval_s={self.interval_s}, max_k={self.max_k}, "
+                f"window={self.window})")
