@@ -1,0 +1,385 @@
+"""P learners and a parameter server simulated in one process on a virtual clock.
+
+`SimulatedStaleStrategy` runs any of the six variants of Dutta et al., "Slow and Stale Gradients
+Can Win the Race" (AISTATS 2018; PAPER.md) inside an ordinary single-device Lightning fit. Every
+Lightning training step is one simulated gradient push; see `SimulatedServer` for the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from pytorch_lightning import LightningModule, Trainer
+from pytorch_lightning.strategies import SingleDeviceStrategy, StrategyRegistry
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.data import _update_dataloader, extract_batch_size
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from typing_extensions import override
+
+from lightning_stale.adaptive import AdaptiveK
+from lightning_stale.compensation import StalenessCompensation
+from lightning_stale.delays import NoDelay, RecordingDelay, TraceRecorder
+from lightning_stale.records import UpdateRecord
+from lightning_stale.server.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.simulation import Finish
+from lightning_stale.strategies.simulated_engine import SimulatedServer
+from lightning_stale.variants import Variant, check_k
+
+K_VARIANTS = ("k_sync", "k_batch_sync", "k_async", "k_batch_async")
+CHECKPOINT_KEY = "stale_server"
+TRACE_FILE_NAME = "delays.csv"
+
+
+class SimulatedStaleStrategy(SingleDeviceStrategy):
+    """Distributed SGD with P simulated learners and a parameter server, in one process.
+
+    A discrete-event clock (`lightning_stale.simulation.VirtualCluster`) decides which learner
+    finishes its mini-batch next; its gradient is computed on the parameters it last pulled, on
+    the batch Lightning hands to this training step, and `ServerRules` decide updates, drops and
+    refreshes exactly as in the real parameter-server engine. Updates are applied by the same
+    `ServerState` as there. One Lightning training step is one simulated push; work that the
+    real engine would cancel is never computed. Use ``Trainer(strategy=..., devices=1)``.
+
+    Args:
+        variant: "sync", "k_sync", "k_batch_sync", "async", "k_async" or "k_batch_async".
+        k: K (1 <= K <= P); None picks the variant's default (`variants.default_k`).
+        delay: straggler model from `lightning_stale.delays` (seconds per mini-batch); None means
+            no delay. A `Trace` (e.g. written by the real engine) replays that run's delays.
+            Its streams are reset at the start of every fit; its own seed is kept.
+        num_learners: P, the number of simulated learners.
+        compute_time: virtual seconds added to every mini-batch on top of ``delay``.
+        adaptive_k: AdaSync schedule of K (K-variants only): an `AdaptiveK`, a dict of its
+            arguments (``k0`` defaults to ``k``), or a number, the interval T0 in virtual seconds.
+        staleness_compensation: None, "inverse", "norm", a dict of `StalenessCompensation`
+            arguments, or a `StalenessCompensation`.
+        seed: seeds the training sampler, which draws mini-batches uniformly with replacement
+            (independent draws for every learner, as the analysis assumes). Model initialisation
+            and dropout use torch's global generator: seed it (``seed_everything``) as usual.
+        record_trace: write the delays drawn (`Trace` format) at train end: True for
+            ``delays.csv`` in the trainer's log dir (first logger, else ``default_root_dir``), a
+            ``.csv`` path for that file, any other path for ``delays.csv`` in that folder.
+        flush_at_epoch_end: at the end of every epoch (one pass worth of pushes: the train
+            loader's length), flush as the real engine does: pending gradients are dropped
+            (counted as "epoch_end"), every learner restarts from the server's parameters and
+            work in progress is cancelled. False keeps the learners running across epochs, the
+            stationary process of PAPER.md's runtime analysis.
+        device: torch device; None picks the accelerator's first device.
+
+    During fit: ``max_steps`` counts server updates (Lightning's ``global_step`` counts pushes);
+    validation, test, predict and checkpoints see the server's parameters and optimizer state;
+    checkpoints also hold the simulation under the key ``"stale_server"`` so that a resumed fit
+    continues the run (the sampler restarts from ``seed``, so a resumed run is not bit-identical
+    to an uninterrupted one). Learner-side buffers (e.g. BatchNorm statistics) are shared by the
+    simulated learners. After fit: ``stats`` (counters and virtual-time figures), the module holds
+    the final server parameters, and ``trace_recorder`` holds the recorded delays.
+
+    Not supported (clear errors at setup): manual optimization, more than one optimizer,
+    ``accumulate_grad_batches > 1``, ``ReduceLROnPlateau``, gradient scaling (fp16 AMP).
+    """
+
+    strategy_name = "simulated_stale"
+    virtual_clock = True  # UpdateRecord.clock is virtual seconds since the start
+
+    def __init__(self, variant: str = "k_async", k: int | None = None, delay: Any = None,
+                 num_learners: int = 4, compute_time: float = 0.0, adaptive_k: Any = None,
+                 staleness_compensation: Any = None, seed: int = 0,
+                 record_trace: bool | str | os.PathLike | None = None,
+                 flush_at_epoch_end: bool = True, device: str | torch.device | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(device="cpu" if device is None else device, **kwargs)
+        self._device_given = device is not None
+        check_k(variant, k)
+        if isinstance(num_learners, bool) or not isinstance(num_learners, int) or num_learners < 1:
+            raise ValueError(f"num_learners must be an integer >= 1, got {num_learners!r}")
+        adaptive = AdaptiveK.create(adaptive_k, k0=Variant.create(variant, num_learners, k).k)
+        if adaptive is not None:
+            if variant not in K_VARIANTS:
+                raise ValueError(f"adaptive_k changes K, so it needs one of "
+                                 f"{', '.join(K_VARIANTS)}; got variant {variant!r}")
+            if k is not None and k != adaptive.k0:
+                raise ValueError(f"k={k} disagrees with adaptive_k's k0={adaptive.k0}; give one")
+            # The run's own schedule: the caller's object stays as it is.
+            adaptive = copy.deepcopy(adaptive)
+            adaptive.limit(num_learners)
+            adaptive.reset()
+            k = adaptive.k0
+        self.variant = Variant.create(variant, num_learners, k)
+        self.delay = NoDelay() if delay is None else delay
+        if not callable(getattr(self.delay, "sample", None)):
+            raise ValueError(f"delay must be a straggler model with sample(learner), got {delay!r}")
+        if hasattr(self.delay, "check_learners"):
+            self.delay.check_learners(num_learners)
+        compute_time = float(compute_time)
+        if not (compute_time >= 0 and math.isfinite(compute_time)):
+            raise ValueError(f"compute_time must be a finite number >= 0, got {compute_time!r}")
+        self.compute_time = compute_time
+        self.adaptive_k = adaptive
+        self.staleness_compensation = StalenessCompensation.create(staleness_compensation)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        self.seed = seed
+        if record_trace is not None and not isinstance(record_trace, (bool, str, os.PathLike)):
+            raise ValueError(f"record_trace must be None, a bool or a path, got {record_trace!r}")
+        self.record_trace = record_trace
+        self.flush_at_epoch_end = bool(flush_at_epoch_end)
+        self.trace_recorder: TraceRecorder | None = None
+        self.server: SimulatedServer | None = None
+        self._final_stats: dict | None = None
+        self._restored: dict | None = None  # CHECKPOINT_KEY of a checkpoint being resumed
+        self._patches: list[Callable[[], None]] = []  # undone in teardown, last first
+        self._retry: Finish | None = None
+        self._batch_samples = 0
+        self._epoch = 0
+        self._loaders_made = 0
+        self._max_updates = -1
+
+    @property
+    def num_learners(self) -> int:
+        return self.variant.p
+
+    # ---------------------------------------------------------------- setup and teardown
+    @override
+    def setup_environment(self) -> None:
+        if not self._device_given and self.accelerator is not None:
+            accelerator = self.accelerator
+            self._root_device = accelerator.get_parallel_devices(accelerator.parse_devices(1))[0]
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_supported(trainer)
+        super().setup(trainer)
+        if not fitting:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{type(self).__name__} supports exactly one optimizer (the server "
+                             f"steps it), got {len(self.optimizers)}")
+        # Lightning counts optimizer steps, which are pushes here; the server counts updates.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        self._max_updates = epoch_loop.max_steps
+        epoch_loop.max_steps = -1
+        self._patches.append(lambda: setattr(epoch_loop, "max_steps", self._max_updates))
+
+    def _check_supported(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        name = type(self).__name__
+        if module is not None and not module.automatic_optimization:
+            raise ValueError(f"{name} needs automatic optimization: each training step is one "
+                             "simulated push whose gradient the server applies")
+        if trainer.accumulate_grad_batches > 1:
+            raise ValueError(f"{name} does not support accumulate_grad_batches="
+                             f"{trainer.accumulate_grad_batches}: one mini-batch is one push; "
+                             "use a larger batch size")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(f"{name} does not support gradient scaling (16-mixed precision)")
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module, optimizer = self.lightning_module, self.optimizers[0]
+        configs = list(self.lr_scheduler_configs)
+        if any(config.reduce_on_plateau for config in configs):
+            raise ValueError(f"{type(self).__name__} does not support ReduceLROnPlateau")
+        state = ServerState(module, optimizer, configs)
+        # The server steps the schedulers after its updates; Lightning must not step them too.
+        self.lr_scheduler_configs = []
+        self._patches.append(lambda: setattr(self, "lr_scheduler_configs", configs))
+        self._learner_view = FlatView(trainable_parameters(module))
+        self._final_stats = None
+        self._retry = None
+        self._epoch = module.trainer.current_epoch
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            state.load_state_dict(restored["server"])
+            if restored.get("engine") is not None:
+                self.server = pickle.loads(restored["engine"])
+                self.server.attach(state)
+                self.adaptive_k = self.server.adaptive
+                return
+            rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "
+                           "cannot continue: a new one starts from its parameters")
+            state.new_version(0)  # the new simulation's first version
+        delay = self.delay
+        if hasattr(delay, "reset"):
+            delay.reset()  # the same seed gives the same delays in every fit
+        if self.record_trace:
+            self.trace_recorder = TraceRecorder()
+            delay = RecordingDelay(delay, self.trace_recorder)
+        if self.adaptive_k is not None:
+            self.adaptive_k.reset()
+        self.server = SimulatedServer(state, self.variant, delay, self.compute_time,
+                                      self.adaptive_k, self.staleness_compensation)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._batch_samples = _batch_size(batch)
+        trainer = self.lightning_module.trainer
+        if self.server is not None and trainer.current_epoch > self._epoch:
+            # A strategy has no epoch-end hook: the epoch that ended is handled here.
+            self._end_epoch()
+            self._epoch = trainer.current_epoch
+
+    def _end_epoch(self) -> None:
+        assert self.server is not None
+        self.server.end_epoch(self._epoch, flush=self.flush_at_epoch_end)
+        if self.flush_at_epoch_end:
+            self._retry = None  # the flush restarted that learner with new parameters
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._load_server_parameters()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.server is None:
+            return
+        self._load_server_parameters()
+        if self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._end_epoch()  # the last epoch ended too (the real engine flushes, then stops)
+        self.server.stop()
+        self._final_stats = self.server.stats()
+        if self.record_trace and self.trace_recorder is not None:
+            self.trace_recorder.write(self._trace_path(self.lightning_module.trainer))
+
+    @override
+    def teardown(self) -> None:
+        while self._patches:
+            self._patches.pop()()
+        self._restored = None
+        if self.server is not None and self._final_stats is None:
+            self._final_stats = self.server.stats()  # fit interrupted before on_train_end
+        super().teardown()
+
+    # ---------------------------------------------------------------- one push per step
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: LightningModule | torch.nn.Module | None = None,
+                       **kwargs: Any) -> Any:
+        """Compute the next finishing learner's gradient at its stale parameters and push it.
+
+        The learner optimizer's ``step`` is never called: the server's optimizer owns the state.
+        """
+        server = self.server
+        assert server is not None, "optimizer_step outside fit"
+        model = model or self.lightning_module
+        finish = self._retry or server.next_finish()
+        self._retry = None
+        self._learner_view.load_params(server.parameters_for(finish))
+        # Forward, backward, on_before_optimizer_step hooks and gradient clipping, exactly once.
+        loss = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        if loss is None:
+            # training_step skipped this batch: the learner tries again with the next one.
+            self._retry = finish
+            return None
+        server.push(finish, self._learner_view.grads_vector(), float(loss), self._batch_samples)
+        if 0 < self._max_updates <= server.updates:
+            self.lightning_module.trainer.should_stop = True
+        return loss
+
+    # ---------------------------------------------------------------- data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        dataset = getattr(dataloader, "dataset", None)
+        if not isinstance(dataloader, DataLoader) or isinstance(dataset, IterableDataset):
+            rank_zero_warn(f"{type(self).__name__} cannot make this training loader draw with "
+                           "replacement (not a DataLoader over a map-style dataset): its batches "
+                           "are used in the order it gives them")
+            return dataloader
+        # Each push gets an independent uniform draw, as PAPER.md's analysis assumes.
+        generator = torch.Generator().manual_seed(self.seed + self._loaders_made)
+        self._loaders_made += 1
+        sampler = RandomSampler(dataset, replacement=True, num_samples=len(dataset),
+                                generator=generator)
+        return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+    # ---------------------------------------------------------------- results
+    def pop_update_records(self) -> list[UpdateRecord]:
+        """The server updates since the last call (``clock`` in virtual seconds)."""
+        return self.server.pop_records() if self.server is not None else []
+
+    @property
+    def stats(self) -> dict:
+        """Counters of `ServerRules.stats` plus ``mean_update_interval_s`` and ``virtual_time_s``
+        (virtual seconds), and ``k_history`` with adaptive K."""
+        if self._final_stats is not None:
+            return dict(self._final_stats)
+        return self.server.stats() if self.server is not None else {}
+
+    # ---------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state with the server's parameters in place of the learner's."""
+        state_dict = super().lightning_module_state_dict()
+        if self.server is None or self._final_stats is not None:
+            return state_dict  # after fit the module already holds the server's parameters
+        module = self.lightning_module
+        server_params = dict(zip((id(p) for p in trainable_parameters(module)),
+                                 self.server.state.params))
+        tensors = module.state_dict(keep_vars=True)
+        for name, tensor in tensors.items():
+            if id(tensor) in server_params:
+                state_dict[name] = server_params[id(tensor)].detach().clone()
+        return state_dict
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.server is not None:
+            return self.server.state.optimizer.state_dict()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        if self.server is not None:
+            # Plain bytes and dicts: loadable with torch.load(weights_only=True).
+            # A stopped simulation (saved after fit) cannot go on: only its results are kept.
+            engine = None if self.server.rules.stopped else pickle.dumps(self.server)
+            checkpoint[CHECKPOINT_KEY] = {"server": self.server.state.state_dict(),
+                                          "engine": engine, "stats": self.stats}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._restored = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    # ---------------------------------------------------------------- internals
+    def _load_server_parameters(self) -> None:
+        if self.server is not None and self.server.state is not None:
+            self.server.state.load_into(trainable_parameters(self.lightning_module))
+
+    def _trace_path(self, trainer: Trainer) -> Path:
+        if self.record_trace is True:
+            return Path(trainer.log_dir or trainer.default_root_dir) / TRACE_FILE_NAME
+        path = Path(os.fspath(self.record_trace))
+        return path if path.suffix == ".csv" else path / TRACE_FILE_NAME
+
+
+def _batch_size(batch: Any) -> int:
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # no tensor in the batch: samples are not counted
+        return 0
+
+
+if SimulatedStaleStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(SimulatedStaleStrategy.strategy_name, SimulatedStaleStrategy,
+                              description="P learners and a parameter server on a virtual clock")

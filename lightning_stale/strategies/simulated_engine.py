@@ -1,0 +1,175 @@
+"""The simulated parameter server: virtual clock + rules + server state, with no Lightning.
+
+`SimulatedServer` runs P learners in one process (Dutta et al., AISTATS 2018; PAPER.md). A
+`VirtualCluster` says which learner finishes its mini-batch next and at which virtual time; the
+caller computes that learner's gradient on the parameters it last pulled
+(`parameters_for`) and hands it to `push`; `ServerRules` decides, exactly as in the real engine,
+whether it is kept, dropped or completes an update; an update is applied by `ServerState.apply`
+(optionally with staleness-compensation weights), and the K in force may grow under `AdaptiveK`.
+
+Work that the real engine would cancel never finishes on the virtual clock, so it is never
+computed: a simulated run costs one gradient per push.
+
+Memory: the flat parameters of a version are kept while a learner holds that version or a
+pending gradient was computed at it (the "norm" staleness compensation needs the latter), and
+pushed gradients are kept by push id until their update applies them or the rules drop them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lightning_stale.adaptive import AdaptiveK
+from lightning_stale.compensation import StalenessCompensation
+from lightning_stale.records import UpdateRecord
+from lightning_stale.rules import Decision, ServerRules, Update
+from lightning_stale.server.state import ServerState
+from lightning_stale.simulation import Finish, VirtualCluster
+from lightning_stale.variants import Variant
+
+
+@dataclass
+class _PushedGradient:
+    gradient: Tensor
+    loss: float
+    samples: int
+
+
+class SimulatedServer:
+    """One simulated run of one variant.
+
+    Args:
+        state: the server's parameters and optimizer (shared arithmetic with the real engine).
+        variant: the variant with K and P.
+        delay: straggler model with ``sample(learner)`` (seconds).
+        compute_time: virtual seconds added to every mini-batch.
+        adaptive: `AdaptiveK` schedule, or None for a fixed K.
+        compensation: `StalenessCompensation`, or None.
+    """
+
+    def __init__(self, state: ServerState, variant: Variant, delay, compute_time: float = 0.0,
+                 adaptive: AdaptiveK | None = None,
+                 compensation: StalenessCompensation | None = None) -> None:
+        self.state = state
+        self.rules = ServerRules(variant)
+        self.cluster = VirtualCluster(self.rules, delay, compute_time)
+        self.adaptive = adaptive
+        self.compensation = compensation
+        if adaptive is not None:
+            self.rules.set_k(adaptive.k)
+        self.records: list[UpdateRecord] = []
+        self.samples = 0
+        self.last_update_time = 0.0
+        self._snapshots: dict[int, Tensor] = {self.rules.version: state.snapshot()}
+        self._pushed: dict[int, _PushedGradient] = {}
+
+    # ---------------------------------------------------------------- the caller's loop
+    def next_finish(self) -> Finish:
+        """Advance the virtual clock to the next learner that finishes a mini-batch."""
+        return self.cluster.next_finish()
+
+    def parameters_for(self, finish: Finish) -> Tensor:
+        """Flat parameters (CPU) of the version the finishing learner computed at."""
+        return self._snapshots[finish.version]
+
+    def push(self, finish: Finish, gradient: Tensor, loss: float, samples: int) -> Decision:
+        """The learner of ``finish`` pushes ``gradient`` (flat) with its mini-batch loss."""
+        decision = self.rules.on_push(finish.learner, finish.version)
+        self.cluster.apply(decision)
+        if decision.accepted:
+            assert decision.push is not None
+            self._pushed[decision.push.id] = _PushedGradient(gradient, float(loss), int(samples))
+        if decision.update is not None:
+            self._apply(decision.update)
+        self._forget_unused_snapshots()
+        return decision
+
+    def end_epoch(self, epoch: int, flush: bool = True) -> None:
+        """Epoch ``epoch`` ended: step epoch-interval schedulers and, like the real engine, flush
+        (pending gradients are dropped as "epoch_end", every learner restarts from the current
+        parameters, and work in progress is cancelled)."""
+        self.state.end_epoch(epoch)
+        if not flush or self.rules.stopped:
+            return
+        decision = self.rules.flush("epoch_end")
+        self._pushed.clear()  # only pending gradients are kept, and the flush dropped them all
+        self.state.new_version(decision.version)
+        self._snapshots[decision.version] = self.state.snapshot()
+        self.cluster.apply(decision)
+        self._forget_unused_snapshots()
+
+    def pop_records(self) -> list[UpdateRecord]:
+        records, self.records = self.records, []
+        return records
+
+    def stop(self) -> None:
+        """End of training: pending gradients count as in flight at stop; memory is released."""
+        self.rules.stop()
+        self._pushed.clear()
+        self._snapshots.clear()
+
+    # ---------------------------------------------------------------- results
+    @property
+    def updates(self) -> int:
+        return self.rules.counts.updates
+
+    def stats(self) -> dict:
+        """`ServerRules.stats` plus virtual-time figures (seconds of the delay model)."""
+        stats = self.rules.stats()
+        updates = stats["updates"]
+        # The first interval starts at 0, when every learner starts its first mini-batch.
+        stats["mean_update_interval_s"] = self.last_update_time / updates if updates else math.nan
+        stats["virtual_time_s"] = self.cluster.now
+        if self.adaptive is not None:
+            stats["k_history"] = list(self.adaptive.history)
+        return stats
+
+    # ---------------------------------------------------------------- checkpoints
+    def __getstate__(self) -> dict:
+        # The server state is saved by Lightning (module and optimizer state) and the caller;
+        # it holds a wrapped optimizer that cannot be pickled.
+        state = self.__dict__.copy()
+        state["state"] = None
+        state["records"] = []
+        return state
+
+    def attach(self, state: ServerState) -> None:
+        """Reconnect an unpickled server to its restored `ServerState`."""
+        self.state = state
+
+    # ---------------------------------------------------------------- internals
+    def _apply(self, update: Update) -> None:
+        pushed = [self._pushed.pop(push.id) for push in update.gradients]
+        weights = None
+        if self.compensation is not None:
+            # Parameters before this update (w_j) against those each gradient was computed at.
+            weights = self.compensation.weights(
+                update, current_params=self._snapshots[self.state.version],
+                params_at=self._snapshots, lr=self.state.optimizer.param_groups[0]["lr"])
+        self.state.apply([p.gradient for p in pushed], weights)
+        self.state.new_version(update.version)
+        self._snapshots[update.version] = self.state.snapshot()
+
+        now = self.cluster.now
+        self.samples += sum(p.samples for p in pushed)
+        loss = math.fsum(p.loss for p in pushed) / len(pushed)
+        self.records.append(UpdateRecord(
+            update=update.index, clock=now, samples=self.samples, loss=loss,
+            staleness_mean=sum(update.staleness) / len(update.staleness),
+            staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k))
+        self.last_update_time = now
+        if self.adaptive is not None:
+            new_k = self.adaptive.observe(now, loss)
+            if new_k is not None:
+                self.rules.set_k(new_k)  # between updates: nothing is pending now
+
+    def _forget_unused_snapshots(self) -> None:
+        rules = self.rules
+        keep = {rules.version}
+        keep.update(rules.learner_version(learner) for learner in range(rules.p))
+        keep.update(push.version for push in rules.pending)
+        for version in [v for v in self._snapshots if v not in keep]:
+            del self._snapshots[version]
