@@ -1,1 +1,13 @@
-"""lightning_stale."""
+"""lightning_stale: slow and stale gradients for PyTorch Lightning.
+
+A parameter-server strategy running the six distributed-SGD variants of Dutta et al.,
+"Slow and Stale Gradients Can Win the Race" (AISTATS 2018), straggler models, the paper's
+theory, and a virtual-clock twin of the engine for sweeps.
+"""
+
+from lightning_stale.callbacks import WallClockLogger
+from lightning_stale.strategies import StaleStrategy
+from lightning_stale.variants import VARIANT_NAMES, Variant
+
+__all__ = ["StaleStrategy", "Variant", "VARIANT_NAMES", "WallClockLogger"]
+__version__ = "0.1.0"

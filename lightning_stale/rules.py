@@ -191,6 +191,14 @@ class ServerRules:
             self._pending.clear()
             self.stopped = True
 
+    def resume_at(self, version: int, updates: int) -> None:
+        """Continue a saved run: every learner will be sent the parameters of ``version``."""
+        self.version, self.counts.updates = version, updates
+        self._updates_at_version = [updates] * (version + 1)
+        self._oldest_accepted = version
+        for s in self._learners:
+            s.version, s.waiting = version, False
+
     def set_k(self, k: int) -> None:
         """Change K for the following updates (adaptive K); validated against P."""
         self.variant = self.variant.with_k(k)

@@ -1,1 +1,5 @@
+"""Lightning strategies: the real parameter server and its virtual-clock twin."""
 
+from lightning_stale.strategies.stale import StaleStrategy
+
+__all__ = ["StaleStrategy"]

@@ -1,0 +1,124 @@
+"""A learner's side of the protocol: push a gradient, wait for the answer, obey cancellations.
+
+One `Learner` lives in every Trainer process. After Lightning's closure has run forward and
+backward, `Learner.step` draws the injected straggler delay, pushes the gradient with the version
+it was computed at, and blocks until the server answers (new parameters, or leave to go on). Any
+message that arrives *before* the push interrupts the work: it is a cancellation (sync family),
+an epoch end or the stop, and the gradient is thrown away and counted, never pushed.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+
+from lightning_stale.server.state import FlatView
+from lightning_stale.server.transport import Kind, LearnerEndpoint, Message
+
+
+class ServerFailed(RuntimeError):
+    """The parameter server or the transport failed; training cannot go on."""
+
+
+class Learner:
+    """Args:
+        endpoint: this rank's transport.
+        view: the flat view of the module's trainable parameters.
+        delay: a straggler model (``sample(rank)``), or None.
+        recorder: a `TraceRecorder` for the drawn delays, or None.
+        failed: callable returning an error string when the server (on this rank) failed.
+    """
+
+    def __init__(self, endpoint: LearnerEndpoint, view: FlatView, delay=None, recorder=None,
+                 failed=lambda: None) -> None:
+        self.endpoint, self.view, self.delay, self.recorder = endpoint, view, delay, recorder
+        self.rank = endpoint.rank
+        self._failed = failed
+        self.version = -1
+        self.server_epochs = 0  # epochs the server has ended
+        self.stopped = False
+        self.pushes = 0
+        self.cancelled = 0  # gradients computed and thrown away before their push
+        self.delays: list[float] = []
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, timeout: float | None) -> list[Message]:
+        """Messages from the server, blocking up to ``timeout`` (None: until one arrives)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if remaining <= 0:
+                return []
+            try:
+                first = self.endpoint.inbox.get(timeout=remaining)
+                break
+            except queue.Empty:
+                error = self._failed()
+                if error:
+                    raise ServerFailed(error) from None
+        return [first, *self._drain()]
+
+    def _drain(self) -> list[Message]:
+        messages = []
+        while True:
+            try:
+                messages.append(self.endpoint.inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _absorb(self, messages: list[Message]) -> None:
+        for m in messages:
+            if m.kind == Kind.FAILED:
+                raise ServerFailed(m.error)
+            if m.payload is not None and m.version != self.version:
+                self.view.load_params(m.payload)
+                self.version = m.version
+            self.server_epochs = max(self.server_epochs, m.epoch)
+            self.stopped |= m.kind == Kind.STOP
+
+    def wait_for_parameters(self) -> None:
+        """Block until the server's first parameters arrive (w_0, or the resumed state)."""
+        while self.version < 0 and not self.stopped:
+            self._absorb(self._wait(None))
+
+    # ------------------------------------------------------------------ one step
+    def epoch_over(self, local_epoch: int) -> bool:
+        return self.stopped or self.server_epochs > local_epoch
+
+    def step(self, loss: float, samples: int, local_epoch: int) -> None:
+        """After backward: delay, push and wait for the answer, unless interrupted first."""
+        if self.epoch_over(local_epoch):
+            self.cancelled += 1  # computed after the epoch ended: the flush superseded it
+            return
+        interrupt = self._drain()  # cancelled while computing?
+        if not interrupt and self.delay is not None:
+            seconds = self.delay.sample(self.rank)
+            self.delays.append(seconds)
+            interrupt = self._wait(seconds)  # an injected straggler delay is interruptible
+        if interrupt:
+            self.cancelled += 1
+            self._absorb(interrupt)
+            return
+        gradient = self.view.grads_vector()
+        self.endpoint.push(Message(Kind.PUSH, version=self.version, samples=samples,
+                                   loss=loss if math.isfinite(loss) else float("nan"),
+                                   payload=gradient))
+        self.pushes += 1
+        self._absorb(self._wait(None))
+
+    # ------------------------------------------------------------------ leaving
+    def close(self, timeout: float) -> None:
+        """Say goodbye (with the delays drawn), then wait for the server's stop."""
+        import torch
+
+        delays = torch.tensor(self.delays, dtype=torch.float64) if self.delays else None
+        self.endpoint.push(Message(Kind.BYE, version=self.version, samples=self.cancelled,
+                                   payload=delays))
+        deadline = time.monotonic() + timeout
+        while not self.stopped:
+            messages = self._wait(max(0.0, deadline - time.monotonic()))
+            if not messages:
+                raise ServerFailed(f"learner {self.rank}: no stop from the server within {timeout} s")
+            self._absorb(messages)
+        self.endpoint.join(timeout)
