@@ -6,8 +6,8 @@ theory, and a virtual-clock twin of the engine for sweeps.
 """
 
 from lightning_stale.callbacks import WallClockLogger
-from lightning_stale.strategies import StaleStrategy
+from lightning_stale.strategies import SimulatedStaleStrategy, StaleStrategy
 from lightning_stale.variants import VARIANT_NAMES, Variant
 
-__all__ = ["StaleStrategy", "Variant", "VARIANT_NAMES", "WallClockLogger"]
+__all__ = ["SimulatedStaleStrategy", "StaleStrategy", "Variant", "VARIANT_NAMES", "WallClockLogger"]
 __version__ = "0.1.0"

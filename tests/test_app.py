@@ -39,7 +39,7 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 def test_train_in_process(tmp_path, isolated_ddp):
     cfg = compose_config("train", [
         "engine=ddp", "variant=sync", "trainer.devices=1", "trainer.max_steps=12",
-        "trainer.val_check_interval=6", "trainer.num_sanity_val_steps=0", "test=true",
+        "+trainer.val_check_interval=6", "trainer.num_sanity_val_steps=0", "test=true",
         f"output_dir={tmp_path}"])
     summary = train(cfg)
 
@@ -66,11 +66,12 @@ def test_train_without_logger(tmp_path, isolated_ddp):
 
 
 def test_command_line_with_two_processes(tmp_path):
-    """`python -m lightning_stale.train` from outside the checkout; rank 1 re-runs the command."""
+    """`python -m lightning_stale.train` from outside the checkout, on the default parameter-server
+    engine; rank 1 re-runs the command."""
     run_dir = tmp_path / "run"
     env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_VARIABLES}
-    command = [sys.executable, "-m", "lightning_stale.train", "engine=ddp", "variant=sync",
-               "trainer.devices=2", "trainer.max_steps=5", "trainer.val_check_interval=5",
+    command = [sys.executable, "-m", "lightning_stale.train", "variant=k_async", "variant.k=1",
+               "delay=exponential", "delay.mean=0.002", "trainer.devices=2", "trainer.max_steps=5",
                f"hydra.run.dir={run_dir}"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300, stdin=subprocess.DEVNULL)
