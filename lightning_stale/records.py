@@ -14,7 +14,7 @@ class UpdateRecord:
     """One server update w_j -> w_{j+1} (PAPER.md, update rule).
 
     Attributes:
-        update: the server version after this update (1 for the first update).
+        update: how many updates the server has applied, this one included (1 for the first).
         clock: the engine's clock when the update was applied: ``time.monotonic()`` seconds
             for the real engine, virtual seconds since the start for the simulator
             (see ``strategy.virtual_clock``).
@@ -24,6 +24,7 @@ class UpdateRecord:
         staleness_max: the largest j - tau(l, j) in this update.
         num_gradients: how many gradients were averaged (K, or fewer after a flush).
         k: the K in force for this update.
+        learners: the learner of each gradient averaged, in arrival order.
     """
 
     update: int
@@ -34,3 +35,4 @@ class UpdateRecord:
     staleness_max: int
     num_gradients: int
     k: int
+    learners: tuple[int, ...] = ()

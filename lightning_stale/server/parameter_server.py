@@ -140,7 +140,8 @@ class ParameterServer:
         self._records.append(UpdateRecord(
             update=update.index, clock=now, samples=self._samples, loss=loss,
             staleness_mean=sum(update.staleness) / len(update.staleness),
-            staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k))
+            staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k,
+            learners=tuple(g.learner for g in update.gradients)))
         if self.adapt_k is not None:
             k = self.adapt_k(now - self.start_time, loss)
             if k is not None and k != self.rules.k:

@@ -159,7 +159,8 @@ class SimulatedServer:
         self.records.append(UpdateRecord(
             update=update.index, clock=now, samples=self.samples, loss=loss,
             staleness_mean=sum(update.staleness) / len(update.staleness),
-            staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k))
+            staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k,
+            learners=tuple(g.learner for g in update.gradients)))
         self.last_update_time = now
         if self.adaptive is not None:
             new_k = self.adaptive.observe(now, loss)

@@ -1,0 +1,221 @@
+"""The parameter server loop and the learner protocol, in one process with hand-built messages.
+
+No torch.distributed here: a recording endpoint stands in for the transport, so every decision
+can be checked exactly. The real transport is exercised by tests/test_stale_multiprocess.py.
+"""
+
+import queue
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_stale.rules import ServerRules
+from lightning_stale.server.learner import Learner, ServerFailed
+from lightning_stale.server.parameter_server import ParameterServer, ServerLimits
+from lightning_stale.server.state import FlatView, ServerState
+from lightning_stale.server.transport import Kind, Message, _decode, _encode, coalesce
+from lightning_stale.variants import Variant
+
+
+class RecordingEndpoint:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, learner, message):
+        self.sent.append((learner, message))
+
+    def take(self):
+        sent, self.sent = self.sent, []
+        return sent
+
+
+def make_server(name, k=None, p=4, **limits):
+    module = nn.Linear(3, 1, bias=False)
+    nn.init.zeros_(module.weight)
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=1.0))
+    server = ParameterServer(ServerRules(Variant.create(name, p, k)), state, ServerLimits(**limits))
+    endpoint = RecordingEndpoint()
+    server.endpoint = endpoint
+    server._broadcast(Kind.PARAMS)
+    endpoint.take()
+    return server, endpoint
+
+
+def push(server, learner, version, value=1.0, loss=2.0):
+    server._on_push(Message(Kind.PUSH, learner, version, samples=8, loss=loss,
+                            payload=torch.full((3,), value)))
+
+
+def test_k_async_update_averages_and_answers_only_the_pushers():
+    server, endpoint = make_server("k_async", k=2)
+    push(server, 1, 0, value=1.0, loss=1.0)
+    assert endpoint.take() == []  # learner 1 waits for w_1
+    push(server, 3, 0, value=3.0, loss=3.0)
+    sent = endpoint.take()
+    assert [(l, m.kind, m.version) for l, m in sent] == [(1, Kind.PARAMS, 1), (3, Kind.PARAMS, 1)]
+    assert torch.allclose(sent[0][1].payload, torch.full((3,), -2.0))  # w_0 - lr * mean(1, 3)
+    (record,) = server.pop_update_records()
+    assert (record.update, record.samples, record.loss, record.learners) == (1, 16, 2.0, (1, 3))
+
+
+def test_k_batch_sync_resumes_the_pusher_then_refreshes_everyone():
+    server, endpoint = make_server("k_batch_sync", k=2)
+    push(server, 2, 0)
+    assert [(l, m.kind) for l, m in endpoint.take()] == [(2, Kind.CONTINUE)]
+    push(server, 2, 0)
+    assert [l for l, m in endpoint.take() if m.kind == Kind.PARAMS] == [0, 1, 2, 3]
+    push(server, 0, 0)  # crossed the cancellation on the wire: dropped, no answer of its own
+    assert endpoint.take() == [] and server.rules.counts.dropped["stale"] == 1
+
+
+def test_epoch_ends_with_a_flush_to_everyone():
+    server, endpoint = make_server("k_async", k=3, pushes_per_epoch=2)
+    push(server, 0, 0)
+    push(server, 1, 0)
+    sent = endpoint.take()
+    assert [(l, m.kind, m.epoch) for l, m in sent] == [(l, Kind.PARAMS, 1) for l in range(4)]
+    assert server.rules.counts.dropped["epoch_end"] == 2 and server.epoch == 1
+    push(server, 2, 0)  # computed before the epoch ended
+    assert server.rules.counts.dropped["flushed"] == 1
+
+
+def test_max_updates_stops_everyone_and_late_pushes_count_as_in_flight():
+    server, endpoint = make_server("async", max_updates=2)
+    push(server, 0, 0)
+    push(server, 1, 0)
+    assert [(l, m.kind) for l, m in endpoint.take()][-4:] == [(l, Kind.STOP) for l in range(4)]
+    push(server, 2, 0)
+    stats = server.rules.stats()
+    assert stats["updates"] == 2 and stats["gradients_in_flight_at_stop"] == 1
+    assert stats["gradients_received"] == 3 == stats["gradients_applied"] + stats["gradients_in_flight_at_stop"]
+
+
+def test_first_goodbye_stops_the_server_loop_after_all_leave():
+    server, endpoint = make_server("k_sync", k=2)
+    server._thread = threading.Thread(target=server._run)
+    server._thread.start()
+    for learner in range(4):
+        server.events.put(Message(Kind.BYE, learner))
+    assert server.join(5.0)
+    assert [m.kind for _, m in endpoint.take()] == [Kind.STOP] * 4
+
+
+def test_transport_failure_ends_the_loop_with_the_error():
+    server, _ = make_server("async")
+    server._thread = threading.Thread(target=server._run)
+    server._thread.start()
+    server.events.put(Message(Kind.FAILED, error="learner 2 went away"))
+    assert server.join(5.0) and server.error == "learner 2 went away"
+
+
+# ---------------------------------------------------------------- learner side
+class FakeLearnerEndpoint:
+    def __init__(self, rank=1):
+        self.rank, self.inbox, self.pushed = rank, queue.Queue(), []
+        self.answer = None  # message to answer every push with
+
+    def push(self, message):
+        self.pushed.append(message)
+        if self.answer is not None and message.kind == Kind.PUSH:
+            self.inbox.put(self.answer)
+
+    def join(self, timeout):
+        return True
+
+
+class Delay:
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def sample(self, learner):
+        return self.seconds
+
+
+def make_learner(delay=None):
+    module = nn.Linear(2, 1, bias=False)
+    module.weight.grad = torch.ones_like(module.weight)
+    endpoint = FakeLearnerEndpoint()
+    learner = Learner(endpoint, FlatView(list(module.parameters())), delay)
+    endpoint.inbox.put(Message(Kind.PARAMS, version=0, payload=torch.zeros(2)))
+    learner.wait_for_parameters()
+    return learner, endpoint, module
+
+
+def test_learner_pushes_then_loads_the_answer():
+    learner, endpoint, module = make_learner()
+    endpoint.answer = Message(Kind.PARAMS, version=5, payload=torch.tensor([1.0, 2.0]))
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    (pushed,) = endpoint.pushed
+    assert (pushed.kind, pushed.version, pushed.samples, pushed.loss) == (Kind.PUSH, 0, 4, 0.5)
+    assert learner.version == 5 and module.weight.tolist() == [[1.0, 2.0]]
+
+
+def test_a_message_during_computation_cancels_the_push():
+    learner, endpoint, _ = make_learner()
+    endpoint.inbox.put(Message(Kind.PARAMS, version=3, payload=torch.ones(2)))
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    assert endpoint.pushed == [] and learner.cancelled == 1 and learner.version == 3
+
+
+def test_a_cancellation_interrupts_the_injected_delay_promptly():
+    learner, endpoint, _ = make_learner(delay=Delay(5.0))
+    threading.Timer(0.1, endpoint.inbox.put, [Message(Kind.PARAMS, version=1, payload=torch.ones(2))]).start()
+    start = time.monotonic()
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    assert time.monotonic() - start < 2.0 and endpoint.pushed == [] and learner.cancelled == 1
+    assert learner.delays == [5.0]  # the draw is recorded even though it was cut short
+
+
+def test_after_the_epoch_ended_nothing_is_pushed():
+    learner, endpoint, _ = make_learner()
+    endpoint.inbox.put(Message(Kind.PARAMS, version=1, epoch=1, payload=torch.ones(2)))
+    learner.step(loss=0.5, samples=4, local_epoch=0)  # interrupted by the epoch end
+    assert learner.epoch_over(0) and not learner.epoch_over(1)
+    learner.step(loss=0.5, samples=4, local_epoch=0)  # the prefetched last batch of the epoch
+    assert endpoint.pushed == [] and learner.cancelled == 2
+
+
+def test_learner_fails_loudly_when_the_transport_breaks():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.FAILED, error="receiving from the server failed: reset")
+    with pytest.raises(ServerFailed, match="reset"):
+        learner.step(loss=0.5, samples=4, local_epoch=0)
+
+
+def test_close_says_goodbye_with_the_delays_and_waits_for_stop():
+    learner, endpoint, _ = make_learner(delay=Delay(0.0))
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    endpoint.inbox.put(Message(Kind.STOP, version=0, payload=torch.zeros(2)))
+    learner.close(timeout=5.0)
+    bye = endpoint.pushed[-1]
+    assert bye.kind == Kind.BYE and bye.payload.tolist() == [0.0] and learner.stopped
+
+
+def test_close_gives_up_with_an_error_instead_of_hanging():
+    learner, _, _ = make_learner()
+    with pytest.raises(ServerFailed, match="no stop from the server within 0.2 s"):
+        learner.close(timeout=0.2)
+
+
+# ---------------------------------------------------------------- framing
+def test_header_round_trip_keeps_every_field():
+    message = Message(Kind.PUSH, learner=3, version=12345, epoch=7, samples=64, loss=0.123456789,
+                      payload=torch.arange(5, dtype=torch.float64))
+    header, payload = _encode(message)
+    decoded, numel, dtype = _decode(header)
+    assert (decoded.kind, decoded.learner, decoded.version, decoded.epoch, decoded.samples) == (Kind.PUSH, 3, 12345, 7, 64)
+    assert decoded.loss == 0.123456789 and numel == 5 and dtype == torch.float64
+
+
+def test_coalesce_keeps_the_newest_parameters_and_epoch():
+    p1 = Message(Kind.PARAMS, version=1, epoch=0, payload=torch.zeros(1))
+    p2 = Message(Kind.PARAMS, version=2, epoch=0, payload=torch.ones(1))
+    cont = Message(Kind.CONTINUE, version=2, epoch=1)
+    merged = coalesce([p1, p2, cont])
+    assert (merged.kind, merged.version, merged.epoch, merged.payload.item()) == (Kind.PARAMS, 2, 1, 1.0)
+    stop = Message(Kind.STOP, version=3, epoch=1, payload=torch.full((1,), 3.0))
+    assert coalesce([p1, stop]) is stop
