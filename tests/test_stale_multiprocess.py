@@ -1,0 +1,135 @@
+"""StaleStrategy on real processes (CPU, gloo): what only a multi-process run can show.
+
+Each test launches one script from tests/multiprocess/ (four processes, about 8 s of start-up
+each) and checks what global rank 0 wrote. The decision logic itself is tested in-process in
+test_rules.py and test_server_loop.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "multiprocess"
+LAUNCHER_VARIABLES = {"LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK",
+                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED"}
+
+
+def clean_env():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_script(name, tmp_path, timeout=420):
+    out = tmp_path / "result.json"
+    result = subprocess.run([sys.executable, str(SCRIPTS / name), str(out)], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    return json.loads(out.read_text())
+
+
+def books_balance(stats):
+    return stats["gradients_received"] == (stats["gradients_applied"] + stats["gradients_dropped"]
+                                           + stats["gradients_in_flight_at_stop"])
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    return run_script("variants.py", tmp_path_factory.mktemp("variants"))
+
+
+@pytest.mark.parametrize("name", ["sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"])
+def test_every_variant_counts_every_gradient_and_learns(variants, name):
+    run = variants[name]
+    stats = run["stats"]
+    assert stats["updates"] == 60 and books_balance(stats)
+    assert all(n > 0 for n in stats["pushes_per_learner"])
+    assert set(stats["gradients_dropped_by_reason"]) <= {"stale", "epoch_end", "flushed"}
+    assert run["updates"] == list(range(1, 61))  # one record per server update, in order
+    losses = run["losses"]
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10  # the loss falls
+    assert run["module_matches_server"]  # after fit the module holds the server's parameters
+    assert run["callback_metrics"]["val/acc"] > 0.5  # validation ran on the server's parameters
+    assert stats["trace_path"].endswith("delays.csv") and Path(stats["trace_path"]).is_file()
+
+
+def test_sync_family_never_applies_a_stale_gradient(variants):
+    for name, k in [("sync", 4), ("k_sync", 2), ("k_batch_sync", 3)]:
+        run = variants[name]
+        assert set(run["stats"]["staleness_histogram"]) == {"0"}
+        assert all(len(learners) == k for learners in run["learners"])
+    # K-sync takes one gradient per learner per update; sync takes all four
+    assert all(len(set(ls)) == 2 for ls in variants["k_sync"]["learners"])
+    assert all(sorted(ls) == [0, 1, 2, 3] for ls in variants["sync"]["learners"])
+    # K-sync cancels stragglers; pushes that crossed their cancellation were dropped as stale
+    assert variants["k_sync"]["stats"]["cancellations"] > 0
+
+
+def test_async_family_applies_stale_gradients_from_the_right_learners(variants):
+    assert all(len(set(ls)) == 2 for ls in variants["k_async"]["learners"])  # K distinct learners
+    for name in ("async", "k_async", "k_batch_async"):
+        assert max(variants[name]["staleness_max"]) > 0
+
+
+def test_batch_variants_let_a_learner_contribute_several_gradients(variants):
+    for name in ("k_batch_sync", "k_batch_async"):
+        assert any(len(set(ls)) < len(ls) for ls in variants[name]["learners"]), name
+
+
+def test_server_steps_the_lr_schedule_per_update(variants):
+    assert variants["k_batch_async"]["server_lr"] < 0.2 * 0.01  # cosine over max_steps updates
+    assert variants["k_async"]["server_lr"] == 0.2
+
+
+def test_boring_model_runs_unchanged(variants):
+    boring = variants["boring"]
+    assert boring["stats"]["updates"] == 20 and books_balance(boring["stats"])
+    assert boring["predicted"] > 0 and len(boring["tested"]) == 1
+
+
+def test_checkpoint_holds_the_server_and_resume_continues(variants):
+    resume = variants["resume"]
+    assert resume["saved_server"]["updates"] == 30 == resume["first_run_updates"]
+    assert resume["adam_state"] > 0 and resume["saved_matches_final"]
+    assert resume["updates"][0] == 31 and resume["stats"]["updates"] == 50
+
+
+def test_a_frozen_learner_does_not_stall_the_server(tmp_path):
+    result = run_script("frozen.py", tmp_path)
+    for name in ("k_async", "k_sync"):
+        run = result[name]
+        assert run["pushes_while_frozen"] == 0  # it really was stopped
+        assert run["updates_frozen"] > 50  # the others went on without it (K < P)
+        assert run["stats"]["pushes_per_learner"][3] > run["pushes_3_at_thaw"] + 10  # it rejoined
+        assert run["stats"]["updates"] == 700 and books_balance(run["stats"])
+    # its old gradient arrived after the thaw and was applied, hundreds of updates stale
+    assert max(int(s) for s in result["k_async"]["stats"]["staleness_histogram"]) > 50
+
+
+def test_a_dead_learner_ends_the_run_with_an_error_not_a_hang(tmp_path):
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(SCRIPTS / "crash.py")], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 200
+    assert "terminated with code -9" in result.stdout + result.stderr
+
+
+def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+               "--master-addr=127.0.0.1", "--master-port=29583", str(SCRIPTS / "two_nodes.py"), str(out)]
+    nodes = [subprocess.Popen(command[:3] + [f"--node-rank={rank}"] + command[3:], cwd=tmp_path, env=clean_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+             for rank in (0, 1)]
+    logs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
+    result = json.loads(out.read_text())
+    assert result["is_torchelastic"]
+    assert result["stats"]["p"] == 4 and all(n > 0 for n in result["stats"]["pushes_per_learner"])
+    assert result["stats"]["updates"] == 40 and books_balance(result["stats"])
