@@ -86,6 +86,18 @@ def test_server_steps_the_lr_schedule_per_update(variants):
     assert variants["k_async"]["server_lr"] == 0.2
 
 
+def test_adaptive_k_grows_and_compensated_runs_learn(variants):
+    adaptive = variants["adaptive"]
+    ks = adaptive["k"]
+    assert ks[0] == 1 and ks == sorted(ks) and max(ks) > 1 and max(ks) <= 4  # only grows, capped at P
+    history = adaptive["stats"]["k_history"]
+    assert [k for _, k in history] == sorted(k for _, k in history)
+    for label in ("adaptive", "norm"):
+        run = variants[label]
+        assert books_balance(run["stats"]) and run["stats"]["updates"] == 120
+        assert sum(run["losses"][-10:]) < sum(run["losses"][:10])
+
+
 def test_boring_model_runs_unchanged(variants):
     boring = variants["boring"]
     assert boring["stats"]["updates"] == 20 and books_balance(boring["stats"])

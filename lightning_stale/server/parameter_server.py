@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_stale.adaptive import AdaptiveK
+from lightning_stale.compensation import StalenessCompensation
 from lightning_stale.records import UpdateRecord
 from lightning_stale.rules import Decision, ServerRules
 from lightning_stale.server.state import ServerState
@@ -37,14 +39,17 @@ class ParameterServer:
         rules: the decision object of the variant.
         state: the authoritative parameters and optimizer.
         limits: when epochs end and when training stops.
-        weights: optional ``weights(update, state) -> list[float]`` (staleness compensation).
-        adapt_k: optional ``adapt_k(elapsed_s, loss) -> int | None`` (adaptive K).
+        compensation: a `StalenessCompensation` weighting stale gradients, or None.
+        adaptive: an `AdaptiveK` schedule (already limited to P), or None.
     """
 
     def __init__(self, rules: ServerRules, state: ServerState, limits: ServerLimits,
-                 weights=None, adapt_k=None) -> None:
+                 compensation: StalenessCompensation | None = None, adaptive: AdaptiveK | None = None) -> None:
         self.rules, self.state, self.limits = rules, state, limits
-        self.weights, self.adapt_k = weights, adapt_k
+        self.compensation, self.adaptive = compensation, adaptive
+        # version -> parameters sent, kept while a learner holds it or a pending gradient was
+        # computed at it: the "norm" compensation measures ||w_j - w_tau||.
+        self._snapshots: dict[int, torch.Tensor] = {}
         self.events: queue.Queue[Message] = queue.Queue()
         self.lock = threading.Lock()  # held while the state changes (checkpoints read it)
         self.epoch = 0
@@ -128,9 +133,17 @@ class ParameterServer:
     def _apply(self, decision: Decision) -> None:
         update = decision.update
         pushed = [self._gradients.pop(g.id) for g in update.gradients]
-        weights = self.weights(update, self.state) if self.weights else None
+        weights = None
+        if self.compensation is not None:
+            weights = self.compensation.weights(update, current_params=self.state.snapshot(),
+                                                params_at=self._snapshots,
+                                                lr=self.state.optimizer.param_groups[0]["lr"])
         self.state.apply([payload for payload, _ in pushed], weights)
         self.state.new_version(decision.version)
+        if self._snapshots:
+            needed = {self.rules.learner_version(l) for l in range(self.rules.p)}
+            needed.update(g.version for g in self.rules.pending)
+            self._snapshots = {v: t for v, t in self._snapshots.items() if v in needed}
         now = time.monotonic()
         if self._last_update_time is not None:
             self._intervals.append(now - self._last_update_time)
@@ -142,8 +155,8 @@ class ParameterServer:
             staleness_mean=sum(update.staleness) / len(update.staleness),
             staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k,
             learners=tuple(g.learner for g in update.gradients)))
-        if self.adapt_k is not None:
-            k = self.adapt_k(now - self.start_time, loss)
+        if self.adaptive is not None:
+            k = self.adaptive.observe(now - self.start_time, loss)
             if k is not None and k != self.rules.k:
                 self.rules.set_k(k)
 
@@ -177,6 +190,8 @@ class ParameterServer:
     # ------------------------------------------------------------------ sending
     def _send(self, learner: int, kind: Kind) -> None:
         payload = None if kind == Kind.CONTINUE else self.state.snapshot()
+        if payload is not None and self.compensation is not None and self.compensation.needs_parameters:
+            self._snapshots[self.state.version] = payload
         self.endpoint.send(learner, Message(kind, learner, self.state.version, self.epoch, payload=payload))
 
     def _broadcast(self, kind: Kind) -> None:

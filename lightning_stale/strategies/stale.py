@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from datetime import timedelta
@@ -18,6 +19,8 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_stale.adaptive import AdaptiveK
+from lightning_stale.compensation import StalenessCompensation
 from lightning_stale.delays import TraceRecorder
 from lightning_stale.rules import ServerRules
 from lightning_stale.server.learner import Learner, ServerFailed
@@ -74,8 +77,10 @@ class StaleStrategy(DDPStrategy):
             cancellation).
         record_trace: write the delays drawn, per learner, in the `Trace` format: True for
             ``delays.csv`` in the log directory, a path, or False.
-        weights: optional staleness compensation, ``weights(update, server_state) -> list``.
-        adaptive_k: optional ``adaptive_k(elapsed_s, loss) -> int | None`` (K-variants only).
+        staleness_compensation: None, ``"inverse"`` (step of a gradient of staleness s scaled by
+            1/max(1, s)), ``"norm"`` settings as a dict, or a `StalenessCompensation`.
+        adaptive_k: AdaSync schedule of K over wall-clock seconds (K-variants only): an
+            `AdaptiveK`, a dict of its arguments, or the interval T0 in seconds.
         seed: seed of every learner's independent mini-batch sampler.
         shutdown_timeout: seconds to wait for every learner to leave at the end of training.
         Other arguments are `DDPStrategy`'s (accelerator, parallel_devices,
@@ -93,7 +98,7 @@ class StaleStrategy(DDPStrategy):
     virtual_clock = False
 
     def __init__(self, variant: str = "k_async", k: int | None = None, delay: Any = None, *,
-                 record_trace: bool | str = True, weights: Any = None, adaptive_k: Any = None,
+                 record_trace: bool | str = True, staleness_compensation: Any = None, adaptive_k: Any = None,
                  seed: int = 0, shutdown_timeout: float = 60.0, **ddp_kwargs: Any) -> None:
         check_k(variant, k)
         known = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
@@ -102,11 +107,15 @@ class StaleStrategy(DDPStrategy):
         if unknown:
             raise ValueError(f"StaleStrategy got unknown options {unknown}; it does not wrap the model "
                              f"in DistributedDataParallel, and accepts {sorted(known)}")
-        if adaptive_k is not None and variant in ("sync", "async"):
-            raise ValueError(f"adaptive K needs a K-variant, got variant {variant!r}")
+        if adaptive_k is not None:
+            if variant in ("sync", "async"):
+                raise ValueError(f"adaptive_k changes K, so it needs a K-variant, got variant {variant!r}")
+            AdaptiveK.create(adaptive_k, k0=k or 1)  # checks the spec now; K_0 is settled once P is known
         super().__init__(**ddp_kwargs)
         self.variant_name, self.k, self.delay = variant, k, delay
-        self.record_trace, self.weights, self.adaptive_k = record_trace, weights, adaptive_k
+        self.record_trace, self.adaptive_k = record_trace, adaptive_k
+        self.staleness_compensation = StalenessCompensation.create(staleness_compensation)
+        self._adaptive: AdaptiveK | None = None
         self.seed, self.shutdown_timeout = seed, shutdown_timeout
         self.stats: dict[str, Any] = {}
         self._local_collectives = False
@@ -130,6 +139,12 @@ class StaleStrategy(DDPStrategy):
         variant = Variant.create(self.variant_name, self.num_learners, self.k)
         if self.delay is not None and hasattr(self.delay, "check_learners"):
             self.delay.check_learners(variant.p)
+        if self.adaptive_k is not None:
+            adaptive = copy.deepcopy(AdaptiveK.create(self.adaptive_k, k0=variant.k))
+            if self.k is not None and self.k != adaptive.k0:
+                raise ValueError(f"k={self.k} disagrees with adaptive_k's k0={adaptive.k0}; give one")
+            adaptive.limit(variant.p)
+            self._adaptive, self.k = adaptive, adaptive.k0
         super()._configure_launcher()
 
     def _check_trainer(self, trainer) -> None:
@@ -210,7 +225,9 @@ class StaleStrategy(DDPStrategy):
             state = ServerState(self.lightning_module, self.optimizers[0], self._server_schedulers)
             limits = ServerLimits(max_updates=self._max_updates, pushes_per_epoch=self._pushes_per_epoch,
                                   max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
-            self._server = ParameterServer(rules, state, limits, self.weights, self.adaptive_k)
+            if self._adaptive is not None:
+                self._adaptive.reset()
+            self._server = ParameterServer(rules, state, limits, self.staleness_compensation, self._adaptive)
             if self._resume_state is not None:
                 self._server.load_state_dict(self._resume_state)
             endpoint = LearnerEndpoint(0, self._server_group, self._server.events.put)
@@ -269,6 +286,8 @@ class StaleStrategy(DDPStrategy):
         stats["mean_update_interval_s"] = server.mean_update_interval_s
         stats["computations_cancelled"] = sum(m.samples for m in reports.values())
         stats["epochs"] = server.epoch
+        if server.adaptive is not None:
+            stats["k_history"] = list(server.adaptive.history)
         self.stats = stats
         if self.record_trace:
             recorder = TraceRecorder()

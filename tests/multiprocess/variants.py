@@ -34,6 +34,21 @@ for name, k in RUNS:
         results[name]["module_matches_server"] = all(
             torch.equal(a, b) for a, b in zip(model.parameters(), trainer.strategy._server.state.params))
 
+# Beyond the paper: adaptive K with inverse-staleness weights, and the norm-adaptive step.
+for label, options in [("adaptive", dict(variant="k_batch_async", adaptive_k={"k0": 1, "interval_s": 0.15},
+                                          staleness_compensation="inverse")),
+                       ("norm", dict(variant="k_async", k=2, staleness_compensation={"mode": "norm", "c": 0.05}))]:
+    pl.seed_everything(0)
+    dm = DigitsDataModule(batch_size=16)
+    model = Classifier(MLP(dm.input_shape, dm.num_classes), lr=0.2)
+    capture = CaptureRecords()
+    trainer = pl.Trainer(accelerator="cpu", devices=4, max_steps=120, callbacks=[capture], **QUIET,
+                         strategy=StaleStrategy(**options, delay=ShiftedExponential(shift=0.002, mean=0.01, seed=1)))
+    trainer.fit(model, dm)
+    if trainer.global_rank == 0:
+        results[label] = summary(trainer, capture)
+        results[label]["k"] = [r.k for r in capture.records]
+
 # Lightning's BoringModel, unchanged: fit, then validate, test and predict on the same strategy.
 pl.seed_everything(0)
 boring = BoringModel()
