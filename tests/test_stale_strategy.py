@@ -60,6 +60,7 @@ def test_variant_names_are_registered_strategies(name):
 @pytest.mark.parametrize("trainer_kwargs,match", [
     (dict(accumulate_grad_batches=2), "accumulate_grad_batches must be 1"),
     (dict(val_check_interval=5), "val_check_interval must be 1.0"),
+    (dict(sync_batchnorm=True), "sync_batchnorm must be False"),
 ])
 def test_unsupported_trainer_settings_fail_before_training(single_process, trainer_kwargs, match):
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, strategy=StaleStrategy("async"),

@@ -155,6 +155,9 @@ class StaleStrategy(DDPStrategy):
             problems.append("manual optimization is not supported: use automatic optimization")
         if len(self.optimizers) != 1:
             problems.append(f"exactly one optimizer is supported, got {len(self.optimizers)}")
+        if self._layer_sync is not None:
+            problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every forward, "
+                            "which learners at their own pace cannot join")
         if trainer.val_check_interval != 1.0:
             problems.append("val_check_interval must be 1.0: validation runs at the server's epoch ends, "
                             "when all learners are in step (use check_val_every_n_epoch)")
