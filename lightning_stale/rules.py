@@ -130,6 +130,13 @@ class ServerRules:
         """Server updates applied since ``version`` was current: j - tau(l, j)."""
         return self.counts.updates - self._updates_at_version[version]
 
+    def versions_in_use(self) -> set[int]:
+        """Versions whose parameters an engine still needs: the current one, those learners
+        hold, and those pending gradients were computed at."""
+        versions = {self.version, *(s.version for s in self._learners)}
+        versions.update(p.version for p in self._pending)
+        return versions
+
     def accounting_ok(self) -> bool:
         c = self.counts
         settled = c.applied + sum(c.dropped.values()) + c.in_flight_at_stop + len(self._pending)

@@ -21,7 +21,7 @@ from lightning_stale.adaptive import AdaptiveK
 from lightning_stale.compensation import StalenessCompensation
 from lightning_stale.records import UpdateRecord
 from lightning_stale.rules import Decision, ServerRules
-from lightning_stale.server.state import ServerState
+from lightning_stale.server.state import PushedGradient, ServerState
 from lightning_stale.server.transport import Kind, Message, ServerEndpoint
 
 
@@ -55,10 +55,9 @@ class ParameterServer:
         self.epoch = 0
         self.error: str | None = None
         self.learner_reports: dict[int, Message] = {}  # BYE messages
-        self._gradients: dict[int, tuple[torch.Tensor, Message]] = {}  # push id -> pending
+        self._gradients: dict[int, PushedGradient] = {}  # push id -> pending
         self._pushes_this_epoch = 0
         self._records: list[UpdateRecord] = []
-        self._samples = 0
         self._intervals: list[float] = []
         self._last_update_time: float | None = None
         self._stop_sent = False
@@ -93,12 +92,12 @@ class ParameterServer:
         Lightning through the strategy)."""
         with self.lock:
             return {"state": self.state.state_dict(), "version": self.rules.version,
-                    "updates": self.rules.counts.updates, "epoch": self.epoch, "samples": self._samples}
+                    "updates": self.rules.counts.updates, "epoch": self.epoch}
 
     def load_state_dict(self, saved: dict) -> None:
         self.state.load_state_dict(saved["state"])
         self.rules.resume_at(saved["version"], saved["updates"])
-        self.epoch, self._samples = saved["epoch"], saved["samples"]
+        self.epoch = saved["epoch"]
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
@@ -118,7 +117,7 @@ class ParameterServer:
         with self.lock:
             decision = self.rules.on_push(message.learner, message.version)
             if decision.accepted:
-                self._gradients[decision.push.id] = (message.payload, message)
+                self._gradients[decision.push.id] = PushedGradient(message.payload, message.loss, message.samples)
             if decision.update is not None:
                 self._apply(decision)
             self._answer(decision)
@@ -133,30 +132,17 @@ class ParameterServer:
     def _apply(self, decision: Decision) -> None:
         update = decision.update
         pushed = [self._gradients.pop(g.id) for g in update.gradients]
-        weights = None
-        if self.compensation is not None:
-            weights = self.compensation.weights(update, current_params=self.state.snapshot(),
-                                                params_at=self._snapshots,
-                                                lr=self.state.optimizer.param_groups[0]["lr"])
-        self.state.apply([payload for payload, _ in pushed], weights)
-        self.state.new_version(decision.version)
-        if self._snapshots:
-            needed = {self.rules.learner_version(l) for l in range(self.rules.p)}
-            needed.update(g.version for g in self.rules.pending)
-            self._snapshots = {v: t for v, t in self._snapshots.items() if v in needed}
         now = time.monotonic()
+        record = self.state.apply_update(update, pushed, now, self.rules.k, self.compensation, self._snapshots)
+        self._records.append(record)
+        if self._snapshots:
+            in_use = self.rules.versions_in_use()
+            self._snapshots = {v: t for v, t in self._snapshots.items() if v in in_use}
         if self._last_update_time is not None:
             self._intervals.append(now - self._last_update_time)
         self._last_update_time = now
-        self._samples += sum(m.samples for _, m in pushed)
-        loss = sum(m.loss for _, m in pushed) / len(pushed)
-        self._records.append(UpdateRecord(
-            update=update.index, clock=now, samples=self._samples, loss=loss,
-            staleness_mean=sum(update.staleness) / len(update.staleness),
-            staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k,
-            learners=tuple(g.learner for g in update.gradients)))
         if self.adaptive is not None:
-            k = self.adaptive.observe(now - self.start_time, loss)
+            k = self.adaptive.observe(now - self.start_time, record.loss)
             if k is not None and k != self.rules.k:
                 self.rules.set_k(k)
 

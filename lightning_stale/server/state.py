@@ -12,11 +12,25 @@ and its natural extension for other optimizers.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from lightning_stale.records import UpdateRecord
+
+
+@dataclass
+class PushedGradient:
+    """A gradient the server holds until its update: the flat vector, its mini-batch's loss
+    and size."""
+
+    gradient: Tensor
+    loss: float
+    samples: int
 
 
 class FlatView:
@@ -121,6 +135,7 @@ class ServerState:
         self.view = FlatView(self.params)
         self.version = 0
         self.updates = 0
+        self.samples = 0  # in all gradients applied so far
         self._snapshot: tuple[int, Tensor] | None = None
 
     def apply(self, gradients: Sequence[Tensor], weights: Sequence[float] | None = None) -> None:
@@ -138,6 +153,25 @@ class ServerState:
         for config in self.schedulers:
             if config.interval == "step" and self.updates % config.frequency == 0:
                 config.scheduler.step()
+
+    def apply_update(self, update, pushed: Sequence[PushedGradient], clock: float, k: int,
+                     compensation=None, params_at=None) -> UpdateRecord:
+        """Apply one `lightning_stale.rules.Update` to the gradients it lists, in its order, and
+        describe it. ``compensation`` (a `StalenessCompensation`) weights stale gradients;
+        its "norm" rule reads the parameters each gradient was computed at from ``params_at``."""
+        weights = None
+        if compensation is not None:
+            weights = compensation.weights(update, current_params=self.snapshot(), params_at=params_at,
+                                           lr=self.optimizer.param_groups[0]["lr"])
+        self.apply([p.gradient for p in pushed], weights)
+        self.new_version(update.version)
+        self.samples += sum(p.samples for p in pushed)
+        return UpdateRecord(
+            update=update.index, clock=clock, samples=self.samples,
+            loss=math.fsum(p.loss for p in pushed) / len(pushed),
+            staleness_mean=sum(update.staleness) / len(update.staleness),
+            staleness_max=max(update.staleness), num_gradients=len(pushed), k=k,
+            learners=tuple(g.learner for g in update.gradients))
 
     def new_version(self, version: int) -> None:
         self.version = version
@@ -159,10 +193,11 @@ class ServerState:
                 dst.copy_(src)
 
     def state_dict(self) -> dict:
-        return {"version": self.version, "updates": self.updates,
+        return {"version": self.version, "updates": self.updates, "samples": self.samples,
                 "schedulers": [c.scheduler.state_dict() for c in self.schedulers]}
 
     def load_state_dict(self, state: dict) -> None:
         self.version, self.updates = state["version"], state["updates"]
+        self.samples = state.get("samples", 0)
         for config, s in zip(self.schedulers, state.get("schedulers", [])):
             config.scheduler.load_state_dict(s)

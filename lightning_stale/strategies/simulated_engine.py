@@ -18,24 +18,15 @@ pushed gradients are kept by push id until their update applies them or the rule
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 from torch import Tensor
 
 from lightning_stale.adaptive import AdaptiveK
 from lightning_stale.compensation import StalenessCompensation
 from lightning_stale.records import UpdateRecord
 from lightning_stale.rules import Decision, ServerRules, Update
-from lightning_stale.server.state import ServerState
+from lightning_stale.server.state import PushedGradient, ServerState
 from lightning_stale.simulation import Finish, VirtualCluster
 from lightning_stale.variants import Variant
-
-
-@dataclass
-class _PushedGradient:
-    gradient: Tensor
-    loss: float
-    samples: int
 
 
 class SimulatedServer:
@@ -61,10 +52,9 @@ class SimulatedServer:
         if adaptive is not None:
             self.rules.set_k(adaptive.k)
         self.records: list[UpdateRecord] = []
-        self.samples = 0
         self.last_update_time = 0.0
         self._snapshots: dict[int, Tensor] = {self.rules.version: state.snapshot()}
-        self._pushed: dict[int, _PushedGradient] = {}
+        self._pushed: dict[int, PushedGradient] = {}
 
     # ---------------------------------------------------------------- the caller's loop
     def next_finish(self) -> Finish:
@@ -81,7 +71,7 @@ class SimulatedServer:
         self.cluster.apply(decision)
         if decision.accepted:
             assert decision.push is not None
-            self._pushed[decision.push.id] = _PushedGradient(gradient, float(loss), int(samples))
+            self._pushed[decision.push.id] = PushedGradient(gradient, float(loss), int(samples))
         if decision.update is not None:
             self._apply(decision.update)
         self._forget_unused_snapshots()
@@ -143,34 +133,17 @@ class SimulatedServer:
     # ---------------------------------------------------------------- internals
     def _apply(self, update: Update) -> None:
         pushed = [self._pushed.pop(push.id) for push in update.gradients]
-        weights = None
-        if self.compensation is not None:
-            # Parameters before this update (w_j) against those each gradient was computed at.
-            weights = self.compensation.weights(
-                update, current_params=self._snapshots[self.state.version],
-                params_at=self._snapshots, lr=self.state.optimizer.param_groups[0]["lr"])
-        self.state.apply([p.gradient for p in pushed], weights)
-        self.state.new_version(update.version)
-        self._snapshots[update.version] = self.state.snapshot()
-
         now = self.cluster.now
-        self.samples += sum(p.samples for p in pushed)
-        loss = math.fsum(p.loss for p in pushed) / len(pushed)
-        self.records.append(UpdateRecord(
-            update=update.index, clock=now, samples=self.samples, loss=loss,
-            staleness_mean=sum(update.staleness) / len(update.staleness),
-            staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k,
-            learners=tuple(g.learner for g in update.gradients)))
+        record = self.state.apply_update(update, pushed, now, self.rules.k, self.compensation, self._snapshots)
+        self._snapshots[update.version] = self.state.snapshot()
+        self.records.append(record)
         self.last_update_time = now
         if self.adaptive is not None:
-            new_k = self.adaptive.observe(now, loss)
+            new_k = self.adaptive.observe(now, record.loss)
             if new_k is not None:
                 self.rules.set_k(new_k)  # between updates: nothing is pending now
 
     def _forget_unused_snapshots(self) -> None:
-        rules = self.rules
-        keep = {rules.version}
-        keep.update(rules.learner_version(learner) for learner in range(rules.p))
-        keep.update(push.version for push in rules.pending)
-        for version in [v for v in self._snapshots if v not in keep]:
+        in_use = self.rules.versions_in_use()
+        for version in [v for v in self._snapshots if v not in in_use]:
             del self._snapshots[version]
