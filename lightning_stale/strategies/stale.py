@@ -180,6 +180,7 @@ class StaleStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self._check_trainer(trainer)
+        self._samplers = []
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
         loop = trainer.fit_loop.epoch_loop
@@ -233,15 +234,17 @@ class StaleStrategy(DDPStrategy):
             self._server = ParameterServer(rules, state, limits, self.staleness_compensation, self._adaptive)
             if self._resume_state is not None:
                 self._server.load_state_dict(self._resume_state)
+                self._resume_state = None
             endpoint = LearnerEndpoint(0, self._server_group, self._server.events.put)
             self._server.start(ServerEndpoint(self._server_group, p, self._server.events.put, endpoint.inbox))
         else:
             endpoint = LearnerEndpoint(self.global_rank, self._server_group, None)
         server = self._server
-        self._learner = Learner(endpoint, view, self.delay, failed=lambda: server.error if server else None)
+        learner = self._learner = Learner(endpoint, view, self.delay,
+                                          failed=lambda: server.error if server else None)
         for sampler in self._samplers:
-            sampler.epoch_over = lambda: self._learner.epoch_over(trainer.current_epoch)
-        self._learner.wait_for_parameters()
+            sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
+        learner.wait_for_parameters()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
