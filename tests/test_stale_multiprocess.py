@@ -119,8 +119,10 @@ def test_a_frozen_learner_does_not_stall_the_server(tmp_path):
         run = result[name]
         assert run["pushes_while_frozen"] == 0  # it really was stopped
         assert run["updates_frozen"] > 50  # the others went on without it (K < P)
-        assert run["stats"]["pushes_per_learner"][3] > run["pushes_3_at_thaw"] + 10  # it rejoined
-        assert run["stats"]["updates"] == 700 and books_balance(run["stats"])
+        assert run["stats"]["pushes_per_learner"][3] >= run["pushes_3_at_thaw"] + 20  # it rejoined
+        # rank 0 stopped the run from its side: everyone left cleanly, every gradient counted
+        assert run["updates_at_stop_request"] <= run["stats"]["updates"] < 100_000
+        assert books_balance(run["stats"])
     # its old gradient arrived after the thaw and was applied, hundreds of updates stale
     assert max(int(s) for s in result["k_async"]["stats"]["staleness_histogram"]) > 50
 

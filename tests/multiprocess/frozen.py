@@ -1,5 +1,6 @@
 """A learner frozen with SIGSTOP for a few seconds must not stall the server when K < P; after
-SIGCONT it rejoins. Rank 0 freezes rank 3 from a watcher thread."""
+SIGCONT it rejoins. Rank 0 freezes rank 3 from a watcher thread, and once rank 3 has pushed again
+ends the run from its own side (a learner-initiated stop)."""
 
 import os
 import signal
@@ -44,8 +45,12 @@ class Freezer(pl.Callback):
         time.sleep(FREEZE_S)
         thawed_at = (counts.updates, counts.pushes_per_learner[3])
         os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while counts.pushes_per_learner[3] < thawed_at[1] + 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.result = {"updates_frozen": thawed_at[0] - frozen_at[0], "pushes_while_frozen": thawed_at[1] - frozen_at[1],
-                       "pushes_3_at_thaw": thawed_at[1]}
+                       "pushes_3_at_thaw": thawed_at[1], "updates_at_stop_request": counts.updates}
+        trainer.should_stop = True  # rank 0 leaves; its goodbye stops the server and every learner
 
 
 data = TensorDataset(torch.randn(200_000, 8), torch.randint(0, 4, (200_000,)))  # one long epoch
@@ -55,7 +60,7 @@ for name, k in [("k_async", 2), ("k_sync", 3)]:
     pl.seed_everything(0)
     freezer = Freezer()
     model = Classifier(MLP((8,), 4, hidden_sizes=(16,)), lr=0.05)
-    trainer = pl.Trainer(accelerator="cpu", devices=4, max_steps=700, callbacks=[freezer],
+    trainer = pl.Trainer(accelerator="cpu", devices=4, max_steps=100_000, callbacks=[freezer],
                          strategy=StaleStrategy(name, k, delay=Exponential(mean=0.004, seed=0)), **QUIET)
     start = time.monotonic()
     trainer.fit(model, DataLoader(data, batch_size=16))
