@@ -101,6 +101,13 @@ class Variant:
         """Whether a learner that pushed waits for the next update (K counts learners)."""
         return self.counts == "learners"
 
+    @property
+    def pusher_needs_answer(self) -> bool:
+        """Whether a pusher must hear from the server before its next mini-batch. A K-batch-sync
+        pusher need not: it keeps w_j, and the update that supersedes w_j reaches it anyway,
+        as a cancellation of whatever it computes by then."""
+        return not (self.counts == "batches" and self.synchronous)
+
     def with_k(self, k: int) -> Variant:
         """The same variant with another K (adaptive K), validated against P."""
         return Variant.create(self.name, self.p, k)

@@ -34,6 +34,10 @@ def test_bad_variant_or_k_is_a_clear_error(name, k, match):
         Variant.create(name, 4, k)
 
 
+def test_only_a_k_batch_sync_pusher_goes_on_without_an_answer():
+    assert [n for n in VARIANT_NAMES if not Variant.create(n, 4).pusher_needs_answer] == ["k_batch_sync"]
+
+
 def test_switches_describe_all_six():
     table = {n: (Variant.create(n, 4).counts, Variant.create(n, 4).synchronous) for n in VARIANT_NAMES}
     assert table == {

@@ -61,14 +61,24 @@ def test_k_async_update_averages_and_answers_only_the_pushers():
     assert (record.update, record.samples, record.loss, record.learners) == (1, 16, 2.0, (1, 3))
 
 
-def test_k_batch_sync_resumes_the_pusher_then_refreshes_everyone():
+def test_k_batch_sync_lets_the_pusher_go_on_then_refreshes_everyone():
     server, endpoint = make_server("k_batch_sync", k=2)
     push(server, 2, 0)
-    assert [(l, m.kind) for l, m in endpoint.take()] == [(2, Kind.CONTINUE)]
+    assert endpoint.take() == []  # the pusher keeps w_0 and went on without waiting for an answer
     push(server, 2, 0)
     assert [l for l, m in endpoint.take() if m.kind == Kind.PARAMS] == [0, 1, 2, 3]
     push(server, 0, 0)  # crossed the cancellation on the wire: dropped, no answer of its own
     assert endpoint.take() == [] and server.rules.counts.dropped["stale"] == 1
+
+
+def test_k_batch_async_pusher_hears_continue_when_it_holds_the_current_parameters():
+    server, endpoint = make_server("k_batch_async", k=2)
+    push(server, 1, 0)
+    assert [(l, m.kind, m.payload) for l, m in endpoint.take()] == [(1, Kind.CONTINUE, None)]
+    push(server, 2, 0)  # completes the update; this pusher pulls w_1
+    assert [(l, m.kind, m.version) for l, m in endpoint.take()] == [(2, Kind.PARAMS, 1)]
+    push(server, 3, 0)  # holds w_0 < w_1: pulls w_1 at once
+    assert [(l, m.kind, m.version) for l, m in endpoint.take()] == [(3, Kind.PARAMS, 1)]
 
 
 def test_epoch_ends_with_a_flush_to_everyone():
@@ -167,6 +177,14 @@ def test_a_cancellation_interrupts_the_injected_delay_promptly():
     learner.step(loss=0.5, samples=4, local_epoch=0)
     assert time.monotonic() - start < 2.0 and endpoint.pushed == [] and learner.cancelled == 1
     assert learner.delays == [5.0]  # the draw is recorded even though it was cut short
+
+
+def test_a_k_batch_sync_learner_pushes_without_waiting_for_an_answer():
+    learner, endpoint, _ = make_learner()
+    learner.waits_for_answer = False
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    learner.step(loss=0.4, samples=4, local_epoch=0)  # would block forever if it waited
+    assert [m.version for m in endpoint.pushed] == [0, 0] and learner.cancelled == 0
 
 
 def test_after_the_epoch_ended_nothing_is_pushed():

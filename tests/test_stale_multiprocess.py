@@ -117,8 +117,9 @@ def test_a_frozen_learner_does_not_stall_the_server(tmp_path):
     result = run_script("frozen.py", tmp_path)
     for name in ("k_async", "k_sync"):
         run = result[name]
-        assert run["pushes_while_frozen"] == 0  # it really was stopped
-        assert run["updates_frozen"] > 50  # the others went on without it (K < P)
+        # it really was stopped (a push already on the wire when SIGSTOP hit may still land)
+        assert run["pushes_while_frozen"] <= 1, run
+        assert run["updates_frozen"] > 50, run  # the others went on without it (K < P)
         assert run["stats"]["pushes_per_learner"][3] >= run["pushes_3_at_thaw"] + 20  # it rejoined
         # rank 0 stopped the run from its side: everyone left cleanly, every gradient counted
         assert run["updates_at_stop_request"] <= run["stats"]["updates"] < 100_000

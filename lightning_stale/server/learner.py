@@ -28,11 +28,14 @@ class Learner:
         delay: a straggler model (``sample(rank)``), or None.
         recorder: a `TraceRecorder` for the drawn delays, or None.
         failed: callable returning an error string when the server (on this rank) failed.
+        waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
+            `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
     """
 
     def __init__(self, endpoint: LearnerEndpoint, view: FlatView, delay=None, recorder=None,
-                 failed=lambda: None) -> None:
+                 failed=lambda: None, waits_for_answer: bool = True) -> None:
         self.endpoint, self.view, self.delay, self.recorder = endpoint, view, delay, recorder
+        self.waits_for_answer = waits_for_answer
         self.rank = endpoint.rank
         self._failed = failed
         self.version = -1
@@ -105,7 +108,8 @@ class Learner:
                                    loss=loss if math.isfinite(loss) else float("nan"),
                                    payload=gradient))
         self.pushes += 1
-        self._absorb(self._wait(None))
+        if self.waits_for_answer:
+            self._absorb(self._wait(None))
 
     # ------------------------------------------------------------------ leaving
     def close(self, timeout: float) -> None:

@@ -149,8 +149,9 @@ class ParameterServer:
     def _answer(self, decision: Decision) -> None:
         for learner in decision.refresh:
             self._send(learner, Kind.PARAMS)
-        for learner in decision.resume:
-            self._send(learner, Kind.CONTINUE)
+        if self.rules.variant.pusher_needs_answer:  # else the pusher went on without waiting
+            for learner in decision.resume:
+                self._send(learner, Kind.CONTINUE)
 
     def _end_epoch(self) -> None:
         self.epoch += 1
