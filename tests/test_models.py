@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from pytorch_lightning import LightningDataModule, Trainer, seed_everything
 
+from datafiles import make_cifar, make_mnist
 from lightning_stale.data import DigitsDataModule
 from lightning_stale.models import (MLP, Classifier, LeastSquares, LeNet, LinearRegression,
                                    LogisticRegression, ResNet)
@@ -19,15 +19,6 @@ from lightning_stale.models import (MLP, Classifier, LeastSquares, LeNet, Linear
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def _load_file_writers():
-    # Loaded by path: works whether or not tests/ is a package.
-    spec = importlib.util.spec_from_file_location("_data_files", Path(__file__).with_name("test_data.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_mnist, module.make_cifar
-
-
-make_mnist, make_cifar = _load_file_writers()
 SHAPES = {"digits": (64,), "mnist": (1, 28, 28), "cifar": (3, 32, 32)}
 NETS = {
     "logreg": (LogisticRegression, {}, ["digits", "mnist", "cifar"]),

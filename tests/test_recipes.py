@@ -6,11 +6,9 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-import pickle
 from importlib.resources import files
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
@@ -24,38 +22,6 @@ RECIPES = Path(str(files("lightning_stale.recipes")))
 RECIPE_NAMES = sorted(path.stem for path in RECIPES.glob("*.yaml"))
 SWEEPS = [name for name in RECIPE_NAMES if name != "digits_k_async"]
 NEEDS_FILES = {"mnist_lenet", "cifar10_resnet"}
-
-
-def write_tiny_mnist(root: Path, count: int = 16) -> None:
-    """IDX files (magic 0, 0, 0x08 = ubyte, ndim; big-endian int32 sizes; bytes)."""
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for prefix in ("train", "t10k"):
-        arrays = {"images-idx3": rng.integers(0, 256, (count, 28, 28), dtype=np.uint8),
-                  "labels-idx1": (np.arange(count) % 10).astype(np.uint8)}
-        for kind, array in arrays.items():
-            header = bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, ">i4").tobytes()
-            (raw / f"{prefix}-{kind}-ubyte").write_bytes(header + array.tobytes())
-
-
-def write_tiny_cifar10(root: Path, count: int = 16) -> None:
-    """CIFAR-10 python batches: pickled dicts of uint8 rows (3072 = 3x32x32) and labels."""
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"data": rng.integers(0, 256, (count, 3072), dtype=np.uint8),
-                 b"labels": [i % 10 for i in range(count)]}
-        (folder / name).write_bytes(pickle.dumps(batch))
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    write_tiny_mnist(root)
-    write_tiny_cifar10(root)
-    return root
 
 
 def data_overrides(recipe: str, data_root: Path) -> list[str]:
