@@ -13,6 +13,8 @@ import math
 import queue
 import time
 
+import torch
+
 from lightning_stale.server.state import FlatView
 from lightning_stale.server.transport import Kind, LearnerEndpoint, Message
 
@@ -26,15 +28,14 @@ class Learner:
         endpoint: this rank's transport.
         view: the flat view of the module's trainable parameters.
         delay: a straggler model (``sample(rank)``), or None.
-        recorder: a `TraceRecorder` for the drawn delays, or None.
         failed: callable returning an error string when the server (on this rank) failed.
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
     """
 
-    def __init__(self, endpoint: LearnerEndpoint, view: FlatView, delay=None, recorder=None,
+    def __init__(self, endpoint: LearnerEndpoint, view: FlatView, delay=None,
                  failed=lambda: None, waits_for_answer: bool = True) -> None:
-        self.endpoint, self.view, self.delay, self.recorder = endpoint, view, delay, recorder
+        self.endpoint, self.view, self.delay = endpoint, view, delay
         self.waits_for_answer = waits_for_answer
         self.rank = endpoint.rank
         self._failed = failed
@@ -114,8 +115,6 @@ class Learner:
     # ------------------------------------------------------------------ leaving
     def close(self, timeout: float) -> None:
         """Say goodbye (with the delays drawn), then wait for the server's stop."""
-        import torch
-
         delays = torch.tensor(self.delays, dtype=torch.float64) if self.delays else None
         self.endpoint.push(Message(Kind.BYE, version=self.version, samples=self.cancelled,
                                    payload=delays))
