@@ -45,12 +45,12 @@ def variant_k(name: str, k: int, p: int) -> int:
 
 
 def fit(name: str, k: int, p: int, updates: int, delay, batch_size: int, seed: int,
-        trace_path: Path | None) -> tuple[dict, float]:
+        trace_path: Path | None, delay_mode: str = "after_compute") -> tuple[dict, float]:
     seed_everything(seed, verbose=False)
     # Enough samples that no epoch ends during the run (an epoch is ceil(N / m) pushes of all
     # learners together; the sync variant pushes P gradients per update).
     samples = batch_size * (p * updates + 16 * p) * 2
-    strategy = StaleStrategy(name, k, delay=delay, seed=seed,
+    strategy = StaleStrategy(name, k, delay=delay, seed=seed, delay_mode=delay_mode,
                              record_trace=str(trace_path) if trace_path else False)
     trainer = Trainer(devices=p, max_steps=updates, strategy=strategy, **trainer_kwargs())
     loader = regression_loader(samples, batch_size=batch_size, seed=seed)
@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument("--mean", type=float, default=0.05, help="mean injected delay (s)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--delay-mode", default="after_compute", choices=["after_compute", "total"],
+                        help="StaleStrategy's delay_mode: delay added after backward, or the "
+                             "mini-batch's whole time with the computation counted toward it")
     args = parser.parse_args()
     apply_process_settings(args)
     out = prepare_out(args.out) if is_rank_zero() else Path(args.out)
@@ -87,7 +90,8 @@ def main() -> None:
         k = variant_k(name, args.k, p)
         trace_path = out / "traces" / f"runtime_fidelity_{name}.csv"
         delay = Exponential(mean=args.mean, seed=args.seed + i)
-        stats, wall = fit(name, k, p, args.updates, delay, args.batch_size, args.seed, trace_path)
+        stats, wall = fit(name, k, p, args.updates, delay, args.batch_size, args.seed, trace_path,
+                          args.delay_mode)
         if not is_rank_zero():
             continue
         measured = stats["mean_update_interval_s"]

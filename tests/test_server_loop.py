@@ -187,6 +187,20 @@ def test_a_k_batch_sync_learner_pushes_without_waiting_for_an_answer():
     assert [m.version for m in endpoint.pushed] == [0, 0] and learner.cancelled == 0
 
 
+def test_a_total_delay_counts_the_time_already_spent_on_the_mini_batch():
+    learner, endpoint, _ = make_learner(delay=Delay(0.6))
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    learner.delay_is_total = True
+    learner._batch_started = time.monotonic() - 0.5  # the computation took 0.5 s of the 0.6 s
+    start = time.monotonic()
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    assert time.monotonic() - start < 0.4 and learner.delays == [0.6]
+    learner.delay_is_total = False  # added after the computation: the whole 0.6 s
+    start = time.monotonic()
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    assert time.monotonic() - start >= 0.6
+
+
 def test_after_the_epoch_ended_nothing_is_pushed():
     learner, endpoint, _ = make_learner()
     endpoint.inbox.put(Message(Kind.PARAMS, version=1, epoch=1, payload=torch.ones(2)))

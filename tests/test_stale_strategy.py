@@ -34,6 +34,7 @@ def single_process(monkeypatch):
     (dict(variant="k_async", find_unused_parameters=True), r"unknown options \['find_unused_parameters'\]"),
     (dict(variant="sync", adaptive_k=1.0), r"adaptive_k changes K, so it needs a K-variant"),
     (dict(variant="k_async", staleness_compensation="sqrt"), r"unknown staleness compensation 'sqrt'"),
+    (dict(variant="k_async", delay_mode="before"), r"unknown delay_mode 'before'; choose one of after_compute, total"),
 ])
 def test_bad_options_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):

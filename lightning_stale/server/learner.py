@@ -31,12 +31,17 @@ class Learner:
         failed: callable returning an error string when the server (on this rank) failed.
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
+        delay_is_total: the drawn delay is the mini-batch's whole time X (PAPER.md's compute
+            time), counted from when the mini-batch started; the real computation counts toward
+            it. False: the delay is added after the computation.
     """
 
     def __init__(self, endpoint: LearnerEndpoint, view: FlatView, delay=None,
-                 failed=lambda: None, waits_for_answer: bool = True) -> None:
+                 failed=lambda: None, waits_for_answer: bool = True,
+                 delay_is_total: bool = False) -> None:
         self.endpoint, self.view, self.delay = endpoint, view, delay
-        self.waits_for_answer = waits_for_answer
+        self.waits_for_answer, self.delay_is_total = waits_for_answer, delay_is_total
+        self._batch_started = time.monotonic()
         self.rank = endpoint.rank
         self._failed = failed
         self.version = -1
@@ -85,6 +90,7 @@ class Learner:
         """Block until the server's first parameters arrive (w_0, or the resumed state)."""
         while self.version < 0 and not self.stopped:
             self._absorb(self._wait(None))
+        self._batch_started = time.monotonic()
 
     # ------------------------------------------------------------------ one step
     def epoch_over(self, local_epoch: int) -> bool:
@@ -92,6 +98,12 @@ class Learner:
 
     def step(self, loss: float, samples: int, local_epoch: int) -> None:
         """After backward: delay, push and wait for the answer, unless interrupted first."""
+        try:
+            self._step(loss, samples, local_epoch)
+        finally:
+            self._batch_started = time.monotonic()  # the next mini-batch starts now
+
+    def _step(self, loss: float, samples: int, local_epoch: int) -> None:
         if self.epoch_over(local_epoch):
             self.cancelled += 1  # computed after the epoch ended: the flush superseded it
             return
@@ -99,6 +111,8 @@ class Learner:
         if not interrupt and self.delay is not None:
             seconds = self.delay.sample(self.rank)
             self.delays.append(seconds)
+            if self.delay_is_total:
+                seconds = max(0.0, seconds - (time.monotonic() - self._batch_started))
             interrupt = self._wait(seconds)  # an injected straggler delay is interruptible
         if interrupt:
             self.cancelled += 1

@@ -32,6 +32,7 @@ from lightning_stale.variants import VARIANT_NAMES, Variant, check_k
 
 log = logging.getLogger(__name__)
 
+DELAY_MODES = ("after_compute", "total")
 _SERVER_GROUP_TIMEOUT = timedelta(days=7)  # a gloo timeout kills the connection: never hit it
 
 
@@ -75,6 +76,10 @@ class StaleStrategy(DDPStrategy):
         delay: a straggler model from `lightning_stale.delays`; each learner draws one delay per
             mini-batch after its backward pass and before its push (interruptible by a
             cancellation).
+        delay_mode: ``"after_compute"`` (default): the delay is added after the backward pass;
+            ``"total"``: the delay is the mini-batch's whole time X, as in the paper's model and
+            in a trace recorded elsewhere, and the real computation counts toward it (a
+            computation longer than the delay is not shortened).
         record_trace: write the delays drawn, per learner, in the `Trace` format: True for
             ``delays.csv`` in the log directory, a path, or False.
         staleness_compensation: None, ``"inverse"`` (step of a gradient of staleness s scaled by
@@ -98,9 +103,12 @@ class StaleStrategy(DDPStrategy):
     virtual_clock = False
 
     def __init__(self, variant: str = "k_async", k: int | None = None, delay: Any = None, *,
-                 record_trace: bool | str = True, staleness_compensation: Any = None, adaptive_k: Any = None,
+                 delay_mode: str = "after_compute", record_trace: bool | str = True,
+                 staleness_compensation: Any = None, adaptive_k: Any = None,
                  seed: int = 0, shutdown_timeout: float = 60.0, **ddp_kwargs: Any) -> None:
         check_k(variant, k)
+        if delay_mode not in DELAY_MODES:
+            raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
         known = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
                  "precision_plugin", "process_group_backend", "timeout", "start_method"}
         unknown = sorted(set(ddp_kwargs) - known)
@@ -112,7 +120,7 @@ class StaleStrategy(DDPStrategy):
                 raise ValueError(f"adaptive_k changes K, so it needs a K-variant, got variant {variant!r}")
             AdaptiveK.create(adaptive_k, k0=k or 1)  # checks the spec now; K_0 is settled once P is known
         super().__init__(**ddp_kwargs)
-        self.variant_name, self.k, self.delay = variant, k, delay
+        self.variant_name, self.k, self.delay, self.delay_mode = variant, k, delay, delay_mode
         self.record_trace, self.adaptive_k = record_trace, adaptive_k
         self.staleness_compensation = StalenessCompensation.create(staleness_compensation)
         self._adaptive: AdaptiveK | None = None
@@ -243,7 +251,8 @@ class StaleStrategy(DDPStrategy):
         variant = Variant.create(self.variant_name, p, self.k)
         learner = self._learner = Learner(endpoint, view, self.delay,
                                           failed=lambda: server.error if server else None,
-                                          waits_for_answer=variant.pusher_needs_answer)
+                                          waits_for_answer=variant.pusher_needs_answer,
+                                          delay_is_total=self.delay_mode == "total")
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
         learner.wait_for_parameters()
