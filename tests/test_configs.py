@@ -209,10 +209,10 @@ def test_server_engine_gets_variant_k_and_delay_object(monkeypatch):
     from lightning_stale.train import build_strategy
 
     class RecordingStrategy:
-        def __init__(self, variant, k=None, delay=None):
-            self.variant, self.k, self.delay = variant, k, delay
+        def __init__(self, variant, k=None, delay=None, delay_mode="after_compute"):
+            self.variant, self.k, self.delay, self.delay_mode = variant, k, delay, delay_mode
 
     monkeypatch.setattr(lightning_stale, "StaleStrategy", RecordingStrategy, raising=False)
     strategy = build_strategy(compose_config("digits_k_async"))
-    assert (strategy.variant, strategy.k) == ("k_async", 2)
+    assert (strategy.variant, strategy.k, strategy.delay_mode) == ("k_async", 2, "after_compute")
     assert isinstance(strategy.delay, ShiftedExponential) and strategy.delay.shift == 0.01
