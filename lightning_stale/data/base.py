@@ -89,6 +89,40 @@ class InMemoryDataModule(LightningDataModule):
         return self.test_dataloader()
 
 
+class LocalImageDataModule(InMemoryDataModule):
+    """Base for image data sets read from a local folder (MNIST, CIFAR-10): the training images
+    are split into train and val by ``val_fraction`` (seeded), the test images are their own split
+    (and stand in for val when ``val_fraction=0``). Images stay uint8 in memory and are normalised
+    with the class's ``mean`` and ``std`` per sample when fetched.
+
+    Subclasses implement ``_read() -> (train_images, train_labels, test_images, test_labels)``.
+    """
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __init__(self, data_dir: str | Path, batch_size: int, val_fraction: float,
+                 num_workers: int, seed: int, drop_last: bool) -> None:
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed,
+                         drop_last=drop_last)
+        self.data_dir = Path(data_dir)
+        self.val_fraction = float(val_fraction)
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _build_splits(self) -> tuple[Dataset, Dataset, Dataset]:
+        train_images, train_labels, test_images, test_labels = self._read()
+        train, val, _ = seeded_split(len(train_labels), self.val_fraction, 0.0, self.seed)
+
+        def dataset(images: torch.Tensor, labels: torch.Tensor) -> NormalizedImageDataset:
+            return NormalizedImageDataset(images, labels, self.mean, self.std)
+
+        test_set = dataset(test_images, test_labels)
+        val_set = dataset(train_images[val], train_labels[val]) if len(val) else test_set
+        return dataset(train_images[train], train_labels[train]), val_set, test_set
+
+
 def seeded_split(num_items: int, val_fraction: float, test_fraction: float, seed: int,
                  labels: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Split ``range(num_items)`` into (train, val, test) index tensors; train takes the rest.

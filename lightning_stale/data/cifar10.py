@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_stale.data.base import (InMemoryDataModule, NormalizedImageDataset, find_files,
-                                       seeded_split)
+from lightning_stale.data.base import LocalImageDataModule, find_files
 
 CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
 
@@ -28,7 +27,7 @@ def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(-1, 3, 32, 32), labels
 
 
-class CIFAR10DataModule(InMemoryDataModule):
+class CIFAR10DataModule(LocalImageDataModule):
     """CIFAR-10 from ``<data_dir>/cifar-10-batches-py/`` (torchvision's layout), no download.
 
     Expects ``data_batch_1`` .. ``data_batch_5`` and ``test_batch``, checked at construction.
@@ -46,10 +45,7 @@ class CIFAR10DataModule(InMemoryDataModule):
     def __init__(self, data_dir: str | Path = "data", batch_size: int = 64,
                  val_fraction: float = 0.1, num_workers: int = 0, seed: int = 0,
                  drop_last: bool = True) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed,
-                         drop_last=drop_last)
-        self.data_dir = Path(data_dir)
-        self.val_fraction = float(val_fraction)
+        super().__init__(data_dir, batch_size, val_fraction, num_workers, seed, drop_last)
         self.input_shape = (3, 32, 32)
         self.num_classes = 10
         self.files = find_files(
@@ -58,16 +54,9 @@ class CIFAR10DataModule(InMemoryDataModule):
                  "machine with network access extracts exactly this layout under root) and "
                  "pass data_dir=root.")
 
-    def _build_splits(self):
+    def _read(self):
         parts = [read_cifar_batch(self.files[f"data_batch_{i}"]) for i in range(1, 6)]
         train_images = torch.from_numpy(np.concatenate([images for images, _ in parts]))
         train_labels = torch.from_numpy(np.concatenate([labels for _, labels in parts]))
         test_images, test_labels = map(torch.from_numpy, read_cifar_batch(self.files["test_batch"]))
-        train, val, _ = seeded_split(len(train_labels), self.val_fraction, 0.0, self.seed)
-
-        def dataset(images: torch.Tensor, labels: torch.Tensor) -> NormalizedImageDataset:
-            return NormalizedImageDataset(images, labels, self.mean, self.std)
-
-        test_set = dataset(test_images, test_labels)
-        val_set = dataset(train_images[val], train_labels[val]) if len(val) else test_set
-        return dataset(train_images[train], train_labels[train]), val_set, test_set
+        return train_images, train_labels, test_images, test_labels

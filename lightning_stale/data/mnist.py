@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_stale.data.base import (InMemoryDataModule, NormalizedImageDataset, find_files,
-                                       seeded_split)
+from lightning_stale.data.base import LocalImageDataModule, find_files
 
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -39,7 +38,7 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(shape)
 
 
-class MNISTDataModule(InMemoryDataModule):
+class MNISTDataModule(LocalImageDataModule):
     """MNIST from ``<data_dir>/MNIST/raw/`` (torchvision's layout), nothing downloaded.
 
     Expects the four IDX files of ``MNIST_FILES`` there, plain or gzipped (``name.gz``); they are
@@ -57,10 +56,7 @@ class MNISTDataModule(InMemoryDataModule):
     def __init__(self, data_dir: str | Path = "data", batch_size: int = 64,
                  val_fraction: float = 0.1, num_workers: int = 0, seed: int = 0,
                  drop_last: bool = True) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed,
-                         drop_last=drop_last)
-        self.data_dir = Path(data_dir)
-        self.val_fraction = float(val_fraction)
+        super().__init__(data_dir, batch_size, val_fraction, num_workers, seed, drop_last)
         self.input_shape = (1, 28, 28)
         self.num_classes = 10
         self.files = find_files(
@@ -79,14 +75,5 @@ class MNISTDataModule(InMemoryDataModule):
         return (torch.from_numpy(images.copy()).unsqueeze(1),
                 torch.from_numpy(labels.astype(np.int64)))
 
-    def _build_splits(self):
-        train_images, train_labels = self._images_and_labels("train")
-        test_images, test_labels = self._images_and_labels("t10k")
-        train, val, _ = seeded_split(len(train_labels), self.val_fraction, 0.0, self.seed)
-
-        def dataset(images: torch.Tensor, labels: torch.Tensor) -> NormalizedImageDataset:
-            return NormalizedImageDataset(images, labels, self.mean, self.std)
-
-        test_set = dataset(test_images, test_labels)
-        val_set = dataset(train_images[val], train_labels[val]) if len(val) else test_set
-        return dataset(train_images[train], train_labels[train]), val_set, test_set
+    def _read(self):
+        return (*self._images_and_labels("train"), *self._images_and_labels("t10k"))
