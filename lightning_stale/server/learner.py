@@ -47,7 +47,6 @@ class Learner:
         self.version = -1
         self.server_epochs = 0  # epochs the server has ended
         self.stopped = False
-        self.pushes = 0
         self.cancelled = 0  # gradients computed and thrown away before their push
         self.delays: list[float] = []
 
@@ -122,7 +121,6 @@ class Learner:
         self.endpoint.push(Message(Kind.PUSH, version=self.version, samples=samples,
                                    loss=loss if math.isfinite(loss) else float("nan"),
                                    payload=gradient))
-        self.pushes += 1
         if self.waits_for_answer:
             self._absorb(self._wait(None))
 

@@ -58,9 +58,9 @@ class ParameterServer:
         self._gradients: dict[int, PushedGradient] = {}  # push id -> pending
         self._pushes_this_epoch = 0
         self._records: list[UpdateRecord] = []
-        self._intervals: list[float] = []
+        # Sum and count of the intervals between consecutive updates within an epoch.
+        self._interval_sum, self._interval_count = 0.0, 0
         self._last_update_time: float | None = None
-        self._stop_sent = False
         self._thread: threading.Thread | None = None
         self.endpoint: ServerEndpoint | None = None
         self.start_time = time.monotonic()
@@ -85,7 +85,7 @@ class ParameterServer:
 
     @property
     def mean_update_interval_s(self) -> float:
-        return sum(self._intervals) / len(self._intervals) if self._intervals else float("nan")
+        return self._interval_sum / self._interval_count if self._interval_count else float("nan")
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to continue the run (parameters and optimizer are saved by
@@ -139,7 +139,8 @@ class ParameterServer:
             in_use = self.rules.versions_in_use()
             self._snapshots = {v: t for v, t in self._snapshots.items() if v in in_use}
         if self._last_update_time is not None:
-            self._intervals.append(now - self._last_update_time)
+            self._interval_sum += now - self._last_update_time
+            self._interval_count += 1
         self._last_update_time = now
         if self.adaptive is not None:
             k = self.adaptive.observe(now - self.start_time, record.loss)
@@ -167,11 +168,10 @@ class ParameterServer:
             self._answer(decision)
 
     def _stop(self) -> None:
-        if self._stop_sent:
+        if self.rules.stopped:
             return
         self.rules.stop()
         self._gradients.clear()
-        self._stop_sent = True
         self._broadcast(Kind.STOP)
 
     # ------------------------------------------------------------------ sending
