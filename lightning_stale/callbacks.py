@@ -123,9 +123,9 @@ class WallClockLogger(Callback):
             return
         if _is_engine(trainer.strategy):
             self._drain(trainer)
-        log_dir = _log_dir(trainer)
-        if log_dir is not None and self.rows:
-            self._write_csv(os.path.join(log_dir, "wallclock.csv"))
+        folder = log_dir(trainer)
+        if folder is not None and self.rows:
+            self._write_csv(os.path.join(folder, "wallclock.csv"))
 
     # ---------------------------------------------------------------- results
 
@@ -248,9 +248,9 @@ def _loss_value(outputs: Any) -> float:
     return math.nan  # training_step returned None (skipped batch)
 
 
-def _log_dir(trainer: Trainer) -> str | None:
-    # Mirrors trainer.log_dir without its broadcast: this runs on rank 0 only, and engine ranks
-    # need not be in step with Lightning's collectives at train end.
+def log_dir(trainer: Trainer) -> str | None:
+    """The first logger's folder, as ``trainer.log_dir`` gives it but without its broadcast: this
+    runs on rank 0 only, and engine ranks need not be in step with Lightning's collectives."""
     if not trainer.loggers:
         return None
     logger = trainer.loggers[0]

@@ -17,6 +17,19 @@ from pathlib import Path
 from lightning_stale.delays import DelayModel
 
 TRACE_HEADER = ("learner", "index", "delay_s")
+TRACE_FILE_NAME = "delays.csv"
+
+
+def trace_path(record_trace, trainer) -> Path:
+    """Where an engine writes the delays it drew: ``record_trace`` True means ``delays.csv`` in
+    the log folder (the first logger's, else ``trainer.default_root_dir``); a path ending in
+    ``.csv`` is the file; any other path is a folder for ``delays.csv``."""
+    if record_trace is True:
+        from lightning_stale.callbacks import log_dir
+
+        return Path(log_dir(trainer) or trainer.default_root_dir) / TRACE_FILE_NAME
+    path = Path(os.fspath(record_trace))
+    return path if path.suffix == ".csv" else path / TRACE_FILE_NAME
 
 
 class TraceExhaustedError(RuntimeError):

@@ -11,7 +11,6 @@ import copy
 import math
 import os
 import pickle
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -30,12 +29,12 @@ from lightning_stale.delays import NoDelay, RecordingDelay, TraceRecorder
 from lightning_stale.records import UpdateRecord
 from lightning_stale.server.state import FlatView, ServerState, trainable_parameters
 from lightning_stale.simulation import Finish
+from lightning_stale.traces import trace_path
 from lightning_stale.strategies.simulated_engine import SimulatedServer
 from lightning_stale.variants import Variant, check_k
 
 K_VARIANTS = ("k_sync", "k_batch_sync", "k_async", "k_batch_async")
 CHECKPOINT_KEY = "stale_server"
-TRACE_FILE_NAME = "delays.csv"
 
 
 class SimulatedStaleStrategy(SingleDeviceStrategy):
@@ -252,7 +251,7 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
         self.server.stop()
         self._final_stats = self.server.stats()
         if self.record_trace and self.trace_recorder is not None:
-            self.trace_recorder.write(self._trace_path(self.lightning_module.trainer))
+            self.trace_recorder.write(trace_path(self.record_trace, self.lightning_module.trainer))
 
     @override
     def teardown(self) -> None:
@@ -365,12 +364,6 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
     def _load_server_parameters(self) -> None:
         if self.server is not None and self.server.state is not None:
             self.server.state.load_into(trainable_parameters(self.lightning_module))
-
-    def _trace_path(self, trainer: Trainer) -> Path:
-        if self.record_trace is True:
-            return Path(trainer.log_dir or trainer.default_root_dir) / TRACE_FILE_NAME
-        path = Path(os.fspath(self.record_trace))
-        return path if path.suffix == ".csv" else path / TRACE_FILE_NAME
 
 
 def _batch_size(batch: Any) -> int:

@@ -6,7 +6,6 @@ import copy
 import logging
 import math
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from typing_extensions import override
 
 from lightning_stale.adaptive import AdaptiveK
 from lightning_stale.compensation import StalenessCompensation
-from lightning_stale.delays import TraceRecorder
+from lightning_stale.traces import TraceRecorder, trace_path
 from lightning_stale.rules import ServerRules
 from lightning_stale.server.learner import Learner, ServerFailed
 from lightning_stale.server.parameter_server import ParameterServer, ServerLimits
@@ -312,15 +311,8 @@ class StaleStrategy(DDPStrategy):
                 payload = reports[learner].payload
                 for value in ([] if payload is None else payload.tolist()):
                     recorder.record(learner, value)
-            path = Path(self.record_trace) if isinstance(self.record_trace, (str, Path)) else self._log_dir() / "delays.csv"
+            path = trace_path(self.record_trace, self.lightning_module.trainer)
             self.stats["trace_path"] = str(recorder.write(path))
-
-    def _log_dir(self) -> Path:
-        trainer = self.lightning_module.trainer
-        for logger in trainer.loggers:
-            if getattr(logger, "log_dir", None):
-                return Path(logger.log_dir)
-        return Path(trainer.default_root_dir)
 
     def pop_update_records(self) -> list:
         return self._server.pop_update_records() if self._server is not None else []
