@@ -231,8 +231,9 @@ class StaleStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         p = self.world_size
         view = FlatView(trainable_parameters(self.lightning_module))
+        variant = Variant.create(self.variant_name, p, self.k)
         if self.global_rank == 0:
-            rules = ServerRules(Variant.create(self.variant_name, p, self.k))  # K as for the learners
+            rules = ServerRules(variant)
             state = ServerState(self.lightning_module, self.optimizers[0], self._server_schedulers)
             limits = ServerLimits(max_updates=self._max_updates, pushes_per_epoch=self._pushes_per_epoch,
                                   max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
@@ -247,7 +248,6 @@ class StaleStrategy(DDPStrategy):
         else:
             endpoint = LearnerEndpoint(self.global_rank, self._server_group, None)
         server = self._server
-        variant = Variant.create(self.variant_name, p, self.k)
         learner = self._learner = Learner(endpoint, view, self.delay,
                                           failed=lambda: server.error if server else None,
                                           waits_for_answer=variant.pusher_needs_answer,
