@@ -2,6 +2,7 @@
 the same strategy, with P = devices x num_nodes = 4, through Lightning's cluster environment."""
 
 import pytorch_lightning as pl
+import torch.distributed as dist
 from pytorch_lightning.plugins.environments import TorchElasticEnvironment
 
 from common import QUIET, CaptureRecords, summary, write_results
@@ -20,3 +21,7 @@ result = summary(trainer, capture) if trainer.global_rank == 0 else {}
 result["environment"] = type(trainer.strategy.cluster_environment).__name__
 result["is_torchelastic"] = isinstance(trainer.strategy.cluster_environment, TorchElasticEnvironment)
 write_results(trainer, result)
+# Leave together and tear the default group down before exiting, as torchrun scripts should:
+# a worker exiting while another still uses the group or the agents' store can abort at exit.
+dist.barrier()
+dist.destroy_process_group()
