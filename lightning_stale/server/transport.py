@@ -5,9 +5,10 @@ group (PLATFORM-NOTES: separate group, CPU tensors, so a NCCL default group is u
 message is a fixed int64 header, then an optional payload tensor. The learner on the server's own
 rank uses in-process queues instead: gloo cannot send to oneself.
 
-Blocking is kept off the decision loop: one thread receives from any learner, and one sender
-thread per remote learner drains that learner's outbox, so a frozen learner blocks only its own
-sender. A sender that falls behind sends only the newest message: every message carries the
+Blocking is kept off the decision loop and away from other learners: every remote learner has
+its own receiving thread and its own sender thread (which drains that learner's outbox), so a
+learner frozen between the header and the payload of a message blocks only its own threads.
+(A single any-source receiver would wait for that payload and stall the server.) A sender that falls behind sends only the newest message: every message carries the
 complete state a learner needs (parameters, version, epochs ended, stop), see `coalesce`.
 """
 
@@ -108,11 +109,11 @@ class ServerEndpoint:
         self.group, self.num_learners, self.deliver = group, num_learners, deliver
         self.local_inbox = local_inbox
         self._outboxes = {r: queue.Queue() for r in range(1, num_learners)}
-        self._threads = [threading.Thread(target=self._send_loop, args=(r,), daemon=True,
-                                          name=f"stale-server-send-{r}") for r in self._outboxes]
-        if num_learners > 1:
-            self._threads.append(threading.Thread(target=self._receive_loop, daemon=True,
-                                                  name="stale-server-recv"))
+        self._threads = []
+        for r in self._outboxes:
+            self._threads += [
+                threading.Thread(target=self._send_loop, args=(r,), daemon=True, name=f"stale-server-send-{r}"),
+                threading.Thread(target=self._receive_loop, args=(r,), daemon=True, name=f"stale-server-recv-{r}")]
         for t in self._threads:
             t.start()
 
@@ -122,17 +123,18 @@ class ServerEndpoint:
         else:
             self._outboxes[learner].put(message)
 
-    def _receive_loop(self) -> None:
-        # Runs until every remote learner said goodbye; a learner that dies breaks the recv.
-        remaining = self.num_learners - 1
+    def _receive_loop(self, learner: int) -> None:
+        # Runs until this learner says goodbye; a learner that dies breaks the recv.
         try:
-            while remaining:
-                message, sender = recv(self.group, (UP, UP_DATA))
-                message.learner = sender
-                remaining -= message.kind == Kind.BYE
+            while True:
+                message, _ = recv(self.group, (UP, UP_DATA), src=learner)
+                message.learner = learner
                 self.deliver(message)
+                if message.kind == Kind.BYE:
+                    return
         except Exception as exc:  # noqa: BLE001 - reported to the server loop, which fails the run
-            self.deliver(Message(Kind.FAILED, error=f"receiving from learners failed: {exc}"))
+            self.deliver(Message(Kind.FAILED, learner=learner,
+                                 error=f"receiving from learner {learner} failed: {exc}"))
 
     def _send_loop(self, learner: int) -> None:
         outbox = self._outboxes[learner]
