@@ -63,8 +63,8 @@ def instrument() -> None:
     recv, push, wait = transport.recv, transport.LearnerEndpoint.push, learner_mod.Learner._wait
     on_push, send = server_mod.ParameterServer._on_push, server_mod.ParameterServer._send
 
-    def recv_(group, tags, src=None):
-        message, sender = recv(group, tags, src)
+    def recv_(group, tags, src=None, buffer=None):
+        message, sender = recv(group, tags, src, buffer)
         if tags[0] == transport.DOWN:  # a learner's receive thread
             EVENTS.append(("inbox", int(message.kind), message.version, now()))
         return message, sender

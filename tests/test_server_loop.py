@@ -7,6 +7,7 @@ can be checked exactly. The real transport is exercised by tests/test_stale_mult
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from lightning_stale.rules import ServerRules
 from lightning_stale.server.learner import Learner, ServerFailed
 from lightning_stale.server.parameter_server import ParameterServer, ServerLimits
 from lightning_stale.server.state import FlatView, ServerState
-from lightning_stale.server.transport import Kind, Message, _decode, _encode, coalesce
+from lightning_stale.server.transport import (FRAME_BYTES, HEADER_BYTES, INLINE_PAYLOAD_BYTES, Kind, Message,
+                                              ServerEndpoint, _decode, _encode, coalesce)
 from lightning_stale.variants import Variant
 
 
@@ -126,11 +128,17 @@ class FakeLearnerEndpoint:
     def __init__(self, rank=1):
         self.rank, self.inbox, self.pushed = rank, queue.Queue(), []
         self.answer = None  # message to answer every push with
+        self.round_trip = None  # (wire seconds, server hold seconds): stamp answers like the server
 
     def push(self, message):
         self.pushed.append(message)
         if self.answer is not None and message.kind == Kind.PUSH:
-            self.inbox.put(self.answer)
+            answer = replace(self.answer)
+            if self.round_trip is not None:
+                wire, hold = self.round_trip
+                pushes = sum(m.kind == Kind.PUSH for m in self.pushed)
+                answer.pushes, answer.hold, answer.received_at = pushes, hold, time.monotonic() + wire + hold
+            self.inbox.put(answer)
 
     def join(self, timeout):
         return True
@@ -201,6 +209,37 @@ def test_a_total_delay_counts_the_time_already_spent_on_the_mini_batch():
     assert time.monotonic() - start >= 0.6
 
 
+def test_the_learner_measures_its_message_latency_without_the_servers_hold():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    endpoint.round_trip = (0.004, 0.030)  # 4 ms on the wire, 30 ms waiting at the server
+    for _ in range(3):
+        learner.step(loss=0.5, samples=4, local_epoch=0)
+    assert learner.latency.mean == pytest.approx(0.004, abs=0.002)
+    endpoint.inbox.put(Message(Kind.PARAMS, version=1, payload=torch.ones(2), pushes=3, hold=0.0,
+                               received_at=time.monotonic() + 5.0))
+    learner.step(loss=0.5, samples=4, local_epoch=0)  # a second message for push 3: not a sample
+    assert learner.latency.mean == pytest.approx(0.004, abs=0.002)
+
+
+def test_a_total_delay_also_covers_the_measured_message_latency():
+    learner, endpoint, _ = make_learner(delay=Delay(0.5))
+    learner.delay_is_total = True
+    learner.latency.observe(0.3)  # the downlink that started this mini-batch and the uplink
+    learner._batch_started = time.monotonic()
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    start = time.monotonic()
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    assert 0.15 <= time.monotonic() - start < 0.4
+    # A K-batch-sync learner goes on right after its own push: no downlink started its next
+    # mini-batch, and its uplinks cancel out between consecutive pushes, so nothing is taken off.
+    learner.waits_for_answer, endpoint.answer = False, None
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    start = time.monotonic()
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    assert time.monotonic() - start >= 0.45
+
+
 def test_after_the_epoch_ended_nothing_is_pushed():
     learner, endpoint, _ = make_learner()
     endpoint.inbox.put(Message(Kind.PARAMS, version=1, epoch=1, payload=torch.ones(2)))
@@ -234,13 +273,40 @@ def test_close_gives_up_with_an_error_instead_of_hanging():
 
 
 # ---------------------------------------------------------------- framing
-def test_header_round_trip_keeps_every_field():
+def test_a_small_message_travels_as_one_frame_that_keeps_every_field():
     message = Message(Kind.PUSH, learner=3, version=12345, epoch=7, samples=64, loss=0.123456789,
-                      payload=torch.arange(5, dtype=torch.float64))
-    header, payload = _encode(message)
-    decoded, numel, dtype = _decode(header)
+                      payload=torch.arange(5, dtype=torch.float64), pushes=9, hold=0.25)
+    frame, separate = _encode(message)
+    assert separate is None and frame.numel() == HEADER_BYTES + 5 * 8
+    received = torch.full((FRAME_BYTES,), 255, dtype=torch.uint8)  # gloo fills only the start
+    received[:frame.numel()] = frame
+    decoded, numel, dtype, inline = _decode(received)
     assert (decoded.kind, decoded.learner, decoded.version, decoded.epoch, decoded.samples) == (Kind.PUSH, 3, 12345, 7, 64)
-    assert decoded.loss == 0.123456789 and numel == 5 and dtype == torch.float64
+    assert decoded.loss == 0.123456789 and (decoded.pushes, decoded.hold) == (9, 0.25)
+    assert (numel, dtype, inline) == (5, torch.float64, True)
+    assert decoded.payload.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    received.zero_()  # the receive buffer is reused: the payload must not share it
+    assert decoded.payload.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_large_payload_follows_its_header_without_a_copy():
+    payload = torch.zeros(INLINE_PAYLOAD_BYTES // 4 + 1)
+    frame, separate = _encode(Message(Kind.PARAMS, version=2, payload=payload))
+    assert frame.numel() == HEADER_BYTES and separate.data_ptr() == payload.data_ptr()
+    decoded, numel, dtype, inline = _decode(frame)
+    assert (numel, dtype, inline) == (payload.numel(), torch.float32, False) and decoded.payload is None
+
+
+def test_the_server_endpoint_stamps_pushes_received_and_time_held():
+    inbox, delivered = queue.Queue(), []
+    endpoint = ServerEndpoint(None, 1, delivered.append, inbox)  # P = 1: no threads, no gloo
+    endpoint.send(0, Message(Kind.PARAMS, version=0))
+    assert inbox.get_nowait().pushes == 0
+    endpoint.receive_local(Message(Kind.PUSH, learner=0, version=0))
+    time.sleep(0.05)
+    endpoint.send(0, Message(Kind.PARAMS, version=1))
+    answer = inbox.get_nowait()
+    assert delivered[0].kind == Kind.PUSH and answer.pushes == 1 and 0.05 <= answer.hold < 1.0
 
 
 def test_coalesce_keeps_the_newest_parameters_and_epoch():

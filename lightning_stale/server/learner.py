@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import queue
 import time
+from collections import deque
 
 import torch
 
@@ -23,6 +24,23 @@ class ServerFailed(RuntimeError):
     """The parameter server or the transport failed; training cannot go on."""
 
 
+class MessageLatency:
+    """Running mean of a learner's message round trip without the server's time: for each push
+    answered, (answer received - push sent) - the server's hold, both durations on one clock
+    (the NTP offset/delay method, RFC 5905 section 8), so no clock is shared across machines.
+    The mean of the last ``window`` samples, so it follows the machine's load."""
+
+    def __init__(self, window: int = 64) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+
+    def observe(self, seconds: float) -> None:
+        self._samples.append(max(0.0, seconds))
+
+    @property
+    def mean(self) -> float:
+        return sum(self._samples) / len(self._samples) if self._samples else 0.0
+
+
 class Learner:
     """Args:
         endpoint: this rank's transport.
@@ -31,9 +49,10 @@ class Learner:
         failed: callable returning an error string when the server (on this rank) failed.
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
-        delay_is_total: the drawn delay is the mini-batch's whole time X (PAPER.md's compute
-            time), counted from when the mini-batch started; the real computation counts toward
-            it. False: the delay is added after the computation.
+        delay_is_total: the drawn delay is the mini-batch's whole time X as the server sees it
+            (PAPER.md's compute time): from the server sending the parameters to it receiving
+            the gradient. The real computation and the learner's measured message latency
+            (`MessageLatency`) count toward it. False: the delay is added after the computation.
     """
 
     def __init__(self, endpoint: LearnerEndpoint, view: FlatView, delay=None,
@@ -49,6 +68,13 @@ class Learner:
         self.stopped = False
         self.cancelled = 0  # gradients computed and thrown away before their push
         self.delays: list[float] = []
+        self.pushes = 0
+        self._pushed_at = 0.0
+        self._timed_pushes = 0  # pushes whose round trip was measured
+        self.latency = MessageLatency()
+        # Did the current mini-batch start on a message from the server (then the downlink and
+        # the coming uplink are part of its X), or right after this learner's own push?
+        self._started_by_server = True
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, timeout: float | None) -> list[Message]:
@@ -79,6 +105,9 @@ class Learner:
         for m in messages:
             if m.kind == Kind.FAILED:
                 raise ServerFailed(m.error)
+            if m.pushes == self.pushes > self._timed_pushes:  # the first answer to our latest push
+                self.latency.observe(m.received_at - self._pushed_at - m.hold)
+                self._timed_pushes = self.pushes
             if m.payload is not None and m.version != self.version:
                 self.view.load_params(m.payload)
                 self.version = m.version
@@ -91,6 +120,16 @@ class Learner:
             self._absorb(self._wait(None))
         self._batch_started = time.monotonic()
 
+    def _remaining_delay(self, seconds: float) -> float:
+        """In total mode, what is left of X after this mini-batch's computation and its
+        messaging (the downlink that started it, if a server message did, and the uplink)."""
+        if not self.delay_is_total:
+            return seconds
+        spent = time.monotonic() - self._batch_started
+        if self._started_by_server:
+            spent += self.latency.mean
+        return max(0.0, seconds - spent)
+
     # ------------------------------------------------------------------ one step
     def epoch_over(self, local_epoch: int) -> bool:
         return self.stopped or self.server_epochs > local_epoch
@@ -98,31 +137,34 @@ class Learner:
     def step(self, loss: float, samples: int, local_epoch: int) -> None:
         """After backward: delay, push and wait for the answer, unless interrupted first."""
         try:
-            self._step(loss, samples, local_epoch)
+            self._started_by_server = self._step(loss, samples, local_epoch)
         finally:
             self._batch_started = time.monotonic()  # the next mini-batch starts now
 
-    def _step(self, loss: float, samples: int, local_epoch: int) -> None:
+    def _step(self, loss: float, samples: int, local_epoch: int) -> bool:
+        """One mini-batch's push; True when the next mini-batch starts on a server message."""
         if self.epoch_over(local_epoch):
             self.cancelled += 1  # computed after the epoch ended: the flush superseded it
-            return
+            return True
         interrupt = self._drain()  # cancelled while computing?
         if not interrupt and self.delay is not None:
             seconds = self.delay.sample(self.rank)
             self.delays.append(seconds)
-            if self.delay_is_total:
-                seconds = max(0.0, seconds - (time.monotonic() - self._batch_started))
-            interrupt = self._wait(seconds)  # an injected straggler delay is interruptible
+            interrupt = self._wait(self._remaining_delay(seconds))  # interruptible
         if interrupt:
             self.cancelled += 1
             self._absorb(interrupt)
-            return
+            return True
         gradient = self.view.grads_vector()
+        self.pushes += 1
+        self._pushed_at = time.monotonic()
         self.endpoint.push(Message(Kind.PUSH, version=self.version, samples=samples,
                                    loss=loss if math.isfinite(loss) else float("nan"),
                                    payload=gradient))
         if self.waits_for_answer:
             self._absorb(self._wait(None))
+            return True
+        return False
 
     # ------------------------------------------------------------------ leaving
     def close(self, timeout: float) -> None:

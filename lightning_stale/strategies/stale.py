@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import queue
 import logging
 import math
 from datetime import timedelta
@@ -243,10 +244,11 @@ class StaleStrategy(DDPStrategy):
             if self._resume_state is not None:
                 self._server.load_state_dict(self._resume_state)
                 self._resume_state = None
-            endpoint = LearnerEndpoint(0, self._server_group, self._server.events.put)
-            self._server.start(ServerEndpoint(self._server_group, p, self._server.events.put, endpoint.inbox))
+            server_endpoint = ServerEndpoint(self._server_group, p, self._server.events.put, queue.Queue())
+            endpoint = LearnerEndpoint(0, self._server_group, local_server=server_endpoint)
+            self._server.start(server_endpoint)
         else:
-            endpoint = LearnerEndpoint(self.global_rank, self._server_group, None)
+            endpoint = LearnerEndpoint(self.global_rank, self._server_group)
         server = self._server
         learner = self._learner = Learner(endpoint, view, self.delay,
                                           failed=lambda: server.error if server else None,
