@@ -300,6 +300,15 @@ def base_parser(description: str):
     return parser
 
 
+def add_delay_mode_argument(parser) -> None:
+    from lightning_stale.strategies.stale import DELAY_MODES
+
+    parser.add_argument("--delay-mode", default="after_compute", choices=list(DELAY_MODES),
+                        help="StaleStrategy's delay_mode: the delay added after backward, or the "
+                             "mini-batch's whole time X with the computation and the measured "
+                             "message latency counted toward it")
+
+
 def apply_process_settings(args) -> None:
     """Quiet logs, torch threads and the optional GIL switch interval, in every process."""
     quiet()

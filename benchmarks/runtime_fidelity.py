@@ -18,7 +18,7 @@ Two more columns separate the causes of a gap:
 All fits run in ONE launch: the popen launcher starts the P processes once and every later
 ``Trainer(...).fit`` in the script reuses them.
 
-    python benchmarks/runtime_fidelity.py [--updates 1000] [--out benchmarks/results]
+    python benchmarks/runtime_fidelity.py [--seconds 60] [--delay-mode total] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pytorch_lightning import Trainer, seed_everything
 
-from _common import (TinyRegression, apply_process_settings, base_parser, is_rank_zero,
+from _common import (TinyRegression, add_delay_mode_argument, apply_process_settings, base_parser, is_rank_zero,
                      prepare_out, rank_print, regression_loader, table, trainer_kwargs,
                      write_results)
 from lightning_stale import StaleStrategy
@@ -69,7 +69,11 @@ def replay(name: str, p: int, k: int, trace_path: Path, updates: int) -> float:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=1000, help="server updates per variant (>= 500)")
+    parser.add_argument("--updates", type=int, default=500, help="server updates per variant, at least")
+    parser.add_argument("--seconds", type=float, default=60.0,
+                        help="run each variant for about this long at theory's E[T] (more updates "
+                             "for the fast variants, so every variant draws about as many delays "
+                             "and the sampling noise, replay/theory, is alike); 0: --updates only")
     parser.add_argument("--nodelay-updates", type=int, default=300,
                         help="server updates per variant of the no-delay (overhead) runs; 0 skips them")
     parser.add_argument("--learners", type=int, default=4)
@@ -77,9 +81,7 @@ def main() -> None:
     parser.add_argument("--mean", type=float, default=0.05, help="mean injected delay (s)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--delay-mode", default="after_compute", choices=["after_compute", "total"],
-                        help="StaleStrategy's delay_mode: delay added after backward, or the "
-                             "mini-batch's whole time with the computation counted toward it")
+    add_delay_mode_argument(parser)
     args = parser.parse_args()
     apply_process_settings(args)
     out = prepare_out(args.out) if is_rank_zero() else Path(args.out)
@@ -90,12 +92,13 @@ def main() -> None:
         k = variant_k(name, args.k, p)
         trace_path = out / "traces" / f"runtime_fidelity_{name}.csv"
         delay = Exponential(mean=args.mean, seed=args.seed + i)
-        stats, wall = fit(name, k, p, args.updates, delay, args.batch_size, args.seed, trace_path,
+        theory = expected_iteration_time(name, p, k, Exponential(mean=args.mean))
+        updates = max(args.updates, math.ceil(args.seconds / theory))
+        stats, wall = fit(name, k, p, updates, delay, args.batch_size, args.seed, trace_path,
                           args.delay_mode)
         if not is_rank_zero():
             continue
         measured = stats["mean_update_interval_s"]
-        theory = expected_iteration_time(name, p, k, Exponential(mean=args.mean))
         replayed = replay(name, p, k, trace_path, stats["updates"])
         trace = Trace(trace_path)
         drawn = [trace.sample(l) for l in trace.learners for _ in range(trace.num_recorded(l))]
@@ -125,15 +128,16 @@ def main() -> None:
     columns = ["variant", "k", "updates", "theory_s", "measured_s", "measured/theory", "replay_s",
                "replay/theory", "measured/replay", "overhead_per_update_s", "nodelay_s"]
     print()
-    print(f"P = {p} learners, Exponential(mean={args.mean}) delays, {args.updates} updates per variant, "
-          f"target |measured/theory - 1| <= 5 %")
+    print(f"P = {p} learners, Exponential(mean={args.mean}) delays, at least {args.updates} updates "
+          f"and about {args.seconds:g} s per variant, delay_mode={args.delay_mode}, target |measured/theory - 1| <= 5 %")
     print(table(rows, columns))
     within = [r["variant"] for r in rows if abs(r["measured/theory"] - 1) <= 0.05]
     print(f"within 5 % of theory: {len(within)}/{len(rows)} ({', '.join(within)}); "
           f"all fits in one launch: {total:.0f} s")
     paths = write_results(out, "runtime_fidelity", rows,
                           {"learners": p, "k": args.k, "delay_mean_s": args.mean,
-                           "updates": args.updates, "nodelay_updates": args.nodelay_updates,
+                           "updates": args.updates, "seconds": args.seconds,
+                           "delay_mode": args.delay_mode, "nodelay_updates": args.nodelay_updates,
                            "batch_size": args.batch_size, "threads": args.threads,
                            "switch_interval_s": args.switch_interval,
                            "launch_wall_s": total})

@@ -13,7 +13,7 @@ engine's own loss, replay / ideal the sampling noise of this many updates. A tin
 negligible; the training set is large enough that no epoch ends during the run. All fits run in
 one launch (the popen launcher reuses the P processes).
 
-    python benchmarks/slow_learner.py [--updates 600] [--ks 1 2 3 4]
+    python benchmarks/slow_learner.py [--updates 600] [--ks 1 2 3 4] [--delay-mode total]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pytorch_lightning import Trainer, seed_everything
 
-from _common import (TinyRegression, apply_process_settings, base_parser, is_rank_zero,
+from _common import (TinyRegression, add_delay_mode_argument, apply_process_settings, base_parser, is_rank_zero,
                      prepare_out, rank_print, regression_loader, table, trainer_kwargs,
                      write_results)
 from lightning_stale import StaleStrategy
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--slow", type=int, nargs="+", default=[3], help="the slow learners")
     parser.add_argument("--factor", type=float, default=3.0)
     parser.add_argument("--batch-size", type=int, default=32)
+    add_delay_mode_argument(parser)
     args = parser.parse_args()
     apply_process_settings(args)
     out = prepare_out(args.out) if is_rank_zero() else Path(args.out)
@@ -52,7 +53,7 @@ def main() -> None:
         seed_everything(args.seed, verbose=False)
         trace_path = out / "traces" / f"slow_learner_k{k}.csv"
         strategy = StaleStrategy("k_batch_async", k, delay=delay, seed=args.seed,
-                                 record_trace=str(trace_path))
+                                 delay_mode=args.delay_mode, record_trace=str(trace_path))
         trainer = Trainer(devices=p, max_steps=args.updates, strategy=strategy, **trainer_kwargs())
         # At most K pushes per update: an epoch of ceil(N / m) pushes outlasts the run.
         samples = args.batch_size * (k * args.updates + 16 * p) * 2
@@ -86,13 +87,14 @@ def main() -> None:
     total = time.monotonic() - launch
     print()
     print(f"k_batch_async, P = {p}, Exponential(mean={args.mean}) with learners {args.slow} x{args.factor}, "
-          f"{args.updates} updates per K; target ratio >= 0.9")
+          f"{args.updates} updates per K, delay_mode={args.delay_mode}; target ratio >= 0.9")
     print(table(rows, ["k", "updates", "ideal_updates_per_s", "measured_updates_per_s", "ratio",
                        "replay/ideal", "measured/replay", "pushes_per_learner", "slow_learner_share", "ideal_slow_share"]))
     print(f"all fits in one launch: {total:.0f} s")
     paths = write_results(out, "slow_learner", rows,
                           {"variant": "k_batch_async", "learners": p, "delay_mean_s": args.mean,
                            "slow": args.slow, "factor": args.factor, "updates": args.updates,
+                           "delay_mode": args.delay_mode,
                            "batch_size": args.batch_size, "threads": args.threads,
                            "switch_interval_s": args.switch_interval, "launch_wall_s": total})
     print("results:", *map(str, paths))

@@ -137,7 +137,8 @@ class FakeLearnerEndpoint:
             if self.round_trip is not None:
                 wire, hold = self.round_trip
                 pushes = sum(m.kind == Kind.PUSH for m in self.pushed)
-                answer.pushes, answer.hold, answer.received_at = pushes, hold, time.monotonic() + wire + hold
+                time.sleep(wire + hold)
+                answer.pushes, answer.hold, answer.received_at = pushes, hold, time.monotonic()
             self.inbox.put(answer)
 
     def join(self, timeout):
@@ -199,7 +200,7 @@ def test_a_total_delay_counts_the_time_already_spent_on_the_mini_batch():
     learner, endpoint, _ = make_learner(delay=Delay(0.6))
     endpoint.answer = Message(Kind.CONTINUE, version=0)
     learner.delay_is_total = True
-    learner._batch_started = time.monotonic() - 0.5  # the computation took 0.5 s of the 0.6 s
+    learner._cycle_start = time.monotonic() - 0.5  # the computation took 0.5 s of the 0.6 s
     start = time.monotonic()
     learner.step(loss=0.5, samples=4, local_epoch=0)
     assert time.monotonic() - start < 0.4 and learner.delays == [0.6]
@@ -226,7 +227,7 @@ def test_a_total_delay_also_covers_the_measured_message_latency():
     learner, endpoint, _ = make_learner(delay=Delay(0.5))
     learner.delay_is_total = True
     learner.latency.observe(0.3)  # the downlink that started this mini-batch and the uplink
-    learner._batch_started = time.monotonic()
+    learner._cycle_start, learner._started_by_server = time.monotonic(), True
     endpoint.answer = Message(Kind.CONTINUE, version=0)
     start = time.monotonic()
     learner.step(loss=0.5, samples=4, local_epoch=0)

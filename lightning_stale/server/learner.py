@@ -60,7 +60,10 @@ class Learner:
                  delay_is_total: bool = False) -> None:
         self.endpoint, self.view, self.delay = endpoint, view, delay
         self.waits_for_answer, self.delay_is_total = waits_for_answer, delay_is_total
-        self._batch_started = time.monotonic()
+        # When the current mini-batch's time X began: when the message that started it was
+        # received, or (a learner that goes on without an answer) when it pushed.
+        self._cycle_start = time.monotonic()
+        self._last_received_at = self._cycle_start
         self.rank = endpoint.rank
         self._failed = failed
         self.version = -1
@@ -108,6 +111,7 @@ class Learner:
             if m.pushes == self.pushes > self._timed_pushes:  # the first answer to our latest push
                 self.latency.observe(m.received_at - self._pushed_at - m.hold)
                 self._timed_pushes = self.pushes
+            self._last_received_at = m.received_at or time.monotonic()
             if m.payload is not None and m.version != self.version:
                 self.view.load_params(m.payload)
                 self.version = m.version
@@ -118,14 +122,20 @@ class Learner:
         """Block until the server's first parameters arrive (w_0, or the resumed state)."""
         while self.version < 0 and not self.stopped:
             self._absorb(self._wait(None))
-        self._batch_started = time.monotonic()
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """A mini-batch starts now, not on a server message (e.g. after validation)."""
+        self._cycle_start, self._started_by_server = time.monotonic(), False
 
     def _remaining_delay(self, seconds: float) -> float:
-        """In total mode, what is left of X after this mini-batch's computation and its
-        messaging (the downlink that started it, if a server message did, and the uplink)."""
+        """In total mode, what is left of X after what this mini-batch has already taken: the
+        time since it started (waking up, Lightning's step, forward, backward) and its messages
+        (the downlink that started it, if a server message did, and the uplink to come: their
+        sum is the measured round trip)."""
         if not self.delay_is_total:
             return seconds
-        spent = time.monotonic() - self._batch_started
+        spent = time.monotonic() - self._cycle_start
         if self._started_by_server:
             spent += self.latency.mean
         return max(0.0, seconds - spent)
@@ -136,10 +146,12 @@ class Learner:
 
     def step(self, loss: float, samples: int, local_epoch: int) -> None:
         """After backward: delay, push and wait for the answer, unless interrupted first."""
+        started_by_server = True
         try:
-            self._started_by_server = self._step(loss, samples, local_epoch)
-        finally:
-            self._batch_started = time.monotonic()  # the next mini-batch starts now
+            started_by_server = self._step(loss, samples, local_epoch)
+        finally:  # the next mini-batch's X started with the last message, or with our push
+            self._started_by_server = started_by_server
+            self._cycle_start = self._last_received_at if started_by_server else self._pushed_at
 
     def _step(self, loss: float, samples: int, local_epoch: int) -> bool:
         """One mini-batch's push; True when the next mini-batch starts on a server message."""

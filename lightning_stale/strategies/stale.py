@@ -77,9 +77,10 @@ class StaleStrategy(DDPStrategy):
             mini-batch after its backward pass and before its push (interruptible by a
             cancellation).
         delay_mode: ``"after_compute"`` (default): the delay is added after the backward pass;
-            ``"total"``: the delay is the mini-batch's whole time X, as in the paper's model and
-            in a trace recorded elsewhere, and the real computation counts toward it (a
-            computation longer than the delay is not shortened).
+            ``"total"``: the delay is the mini-batch's whole time X as the server sees it (from
+            sending the parameters to receiving the gradient), as in the paper's model and in a
+            trace recorded elsewhere: the real computation and the learner's measured message
+            round trip count toward it (a mini-batch that already took longer is not shortened).
         record_trace: write the delays drawn, per learner, in the `Trace` format: True for
             ``delays.csv`` in the log directory, a path, or False.
         staleness_compensation: None, ``"inverse"`` (step of a gradient of staleness s scaled by
@@ -262,6 +263,8 @@ class StaleStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._batch_samples = extract_batch_size(batch)
+        if batch_idx == 0:  # the pause at the epoch boundary (validation) is no mini-batch's time
+            self._learner.restart_clock()
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
