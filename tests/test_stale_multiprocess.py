@@ -8,6 +8,7 @@ test_rules.py and test_server_loop.py.
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -26,12 +27,18 @@ def clean_env():
     return env
 
 
-def run_script(name, tmp_path, timeout=420):
+def run_script(name, tmp_path, timeout=420, **env):
     out = tmp_path / "result.json"
-    result = subprocess.run([sys.executable, str(SCRIPTS / name), str(out)], cwd=tmp_path, env=clean_env(),
+    result = subprocess.run([sys.executable, str(SCRIPTS / name), str(out)], cwd=tmp_path, env={**clean_env(), **env},
                             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     return json.loads(out.read_text())
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def books_balance(stats):
@@ -155,3 +162,20 @@ def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
     assert result["is_torchelastic"]
     assert result["stats"]["p"] == 4 and all(n > 0 for n in result["stats"]["pushes_per_learner"])
     assert result["stats"]["updates"] == 40 and books_balance(result["stats"])
+
+
+def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(tmp_path):
+    """Both framings over a real gloo group: a payload inside its header's frame, and one over
+    the frame's size following its header; every field survives, and the answer's ``pushes`` and
+    ``hold`` let the learner take the server's time out of its round trip."""
+    run = run_script("transport.py", tmp_path, timeout=120, TEST_PORT=str(free_port()))
+    pushes, bye = run["received"][:2], run["received"][2]
+    assert [(m["kind"], m["learner"], m["samples"], m["loss"]) for m in pushes] == [(1, 1, 8, 0.5), (1, 1, 9, 0.25)]
+    assert pushes[1]["numel"] > pushes[0]["numel"] and all(m["payload_ok"] for m in pushes)
+    assert (bye["kind"], bye["samples"], bye["numel"]) == (2, 3, 2)
+    params, stop = run["inbox"]
+    assert (params["kind"], params["version"], params["numel"], params["payload_ok"]) == (3, 1, 10, True)
+    assert params["pushes"] == 2 and params["hold"] >= 0.2  # the server held push 2 for 0.2 s
+    assert run["round_trip"] >= params["hold"]  # what is left is the time on the wire
+    assert (stop["kind"], stop["payload_ok"]) == (5, True) and stop["numel"] > params["numel"]
+    assert run["threads_left"] == [] and run["thread_done"]
