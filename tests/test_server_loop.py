@@ -232,6 +232,12 @@ def test_a_total_delay_also_covers_the_measured_message_latency():
     start = time.monotonic()
     learner.step(loss=0.5, samples=4, local_epoch=0)
     assert 0.15 <= time.monotonic() - start < 0.4
+    # The server took 0.1 s to send the message that starts the next mini-batch: that counts too.
+    endpoint.answer = Message(Kind.CONTINUE, version=0, age=0.1)
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    start = time.monotonic()
+    learner.step(loss=0.5, samples=4, local_epoch=0)
+    assert 0.05 <= time.monotonic() - start < 0.3  # 0.5 - 0.3 (round trip) - 0.1 (age)
     # A K-batch-sync learner goes on right after its own push: no downlink started its next
     # mini-batch, and its uplinks cancel out between consecutive pushes, so nothing is taken off.
     learner.waits_for_answer, endpoint.answer = False, None
@@ -276,14 +282,14 @@ def test_close_gives_up_with_an_error_instead_of_hanging():
 # ---------------------------------------------------------------- framing
 def test_a_small_message_travels_as_one_frame_that_keeps_every_field():
     message = Message(Kind.PUSH, learner=3, version=12345, epoch=7, samples=64, loss=0.123456789,
-                      payload=torch.arange(5, dtype=torch.float64), pushes=9, hold=0.25)
+                      payload=torch.arange(5, dtype=torch.float64), pushes=9, hold=0.25, age=0.125)
     frame, separate = _encode(message)
     assert separate is None and frame.numel() == HEADER_BYTES + 5 * 8
     received = torch.full((FRAME_BYTES,), 255, dtype=torch.uint8)  # gloo fills only the start
     received[:frame.numel()] = frame
     decoded, numel, dtype, inline = _decode(received)
     assert (decoded.kind, decoded.learner, decoded.version, decoded.epoch, decoded.samples) == (Kind.PUSH, 3, 12345, 7, 64)
-    assert decoded.loss == 0.123456789 and (decoded.pushes, decoded.hold) == (9, 0.25)
+    assert decoded.loss == 0.123456789 and (decoded.pushes, decoded.hold, decoded.age) == (9, 0.25, 0.125)
     assert (numel, dtype, inline) == (5, torch.float64, True)
     assert decoded.payload.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     received.zero_()  # the receive buffer is reused: the payload must not share it
@@ -305,9 +311,10 @@ def test_the_server_endpoint_stamps_pushes_received_and_time_held():
     assert inbox.get_nowait().pushes == 0
     endpoint.receive_local(Message(Kind.PUSH, learner=0, version=0))
     time.sleep(0.05)
-    endpoint.send(0, Message(Kind.PARAMS, version=1))
+    endpoint.send(0, Message(Kind.PARAMS, version=1, caused_at=time.monotonic() - 0.02))
     answer = inbox.get_nowait()
     assert delivered[0].kind == Kind.PUSH and answer.pushes == 1 and 0.05 <= answer.hold < 1.0
+    assert 0.02 <= answer.age < answer.hold  # the server's own time since the deciding push
 
 
 def test_coalesce_keeps_the_newest_parameters_and_epoch():

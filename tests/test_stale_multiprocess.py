@@ -176,6 +176,7 @@ def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(tmp
     params, stop = run["inbox"]
     assert (params["kind"], params["version"], params["numel"], params["payload_ok"]) == (3, 1, 10, True)
     assert params["pushes"] == 2 and params["hold"] >= 0.2  # the server held push 2 for 0.2 s
+    assert params["age"] >= params["hold"]  # and answered push 1, which arrived before push 2
     assert run["round_trip"] >= params["hold"]  # what is left is the time on the wire
     assert (stop["kind"], stop["payload_ok"]) == (5, True) and stop["numel"] > params["numel"]
     assert run["threads_left"] == [] and run["thread_done"]

@@ -63,7 +63,7 @@ class Learner:
         # When the current mini-batch's time X began: when the message that started it was
         # received, or (a learner that goes on without an answer) when it pushed.
         self._cycle_start = time.monotonic()
-        self._last_received_at = self._cycle_start
+        self._last_event_at = self._cycle_start
         self.rank = endpoint.rank
         self._failed = failed
         self.version = -1
@@ -111,7 +111,9 @@ class Learner:
             if m.pushes == self.pushes > self._timed_pushes:  # the first answer to our latest push
                 self.latency.observe(m.received_at - self._pushed_at - m.hold)
                 self._timed_pushes = self.pushes
-            self._last_received_at = m.received_at or time.monotonic()
+            # On this learner's clock, when the server event this message answers happened,
+            # less the downlink (which the round trip covers): the server's processing counts.
+            self._last_event_at = (m.received_at or time.monotonic()) - m.age
             if m.payload is not None and m.version != self.version:
                 self.view.load_params(m.payload)
                 self.version = m.version
@@ -151,7 +153,7 @@ class Learner:
             started_by_server = self._step(loss, samples, local_epoch)
         finally:  # the next mini-batch's X started with the last message, or with our push
             self._started_by_server = started_by_server
-            self._cycle_start = self._last_received_at if started_by_server else self._pushed_at
+            self._cycle_start = self._last_event_at if started_by_server else self._pushed_at
 
     def _step(self, loss: float, samples: int, local_epoch: int) -> bool:
         """One mini-batch's push; True when the next mini-batch starts on a server message."""

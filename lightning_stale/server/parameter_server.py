@@ -62,13 +62,14 @@ class ParameterServer:
         self._interval_sum, self._interval_count = 0.0, 0
         self._last_update_time: float | None = None
         self._thread: threading.Thread | None = None
+        self._cause = 0.0  # arrival time of the push being decided (see `Message.age`)
         self.endpoint: ServerEndpoint | None = None
         self.start_time = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, endpoint: ServerEndpoint) -> None:
         self.endpoint = endpoint
-        self.start_time = time.monotonic()
+        self.start_time = self._cause = time.monotonic()
         self._broadcast(Kind.PARAMS)  # everyone starts from w_0
         self._thread = threading.Thread(target=self._run, daemon=True, name="stale-server")
         self._thread.start()
@@ -114,6 +115,7 @@ class ParameterServer:
                 self._stop()
 
     def _on_push(self, message: Message) -> None:
+        self._cause = message.received_at or time.monotonic()  # answers count their age from here
         with self.lock:
             decision = self.rules.on_push(message.learner, message.version)
             if decision.accepted:
@@ -179,7 +181,8 @@ class ParameterServer:
         payload = None if kind == Kind.CONTINUE else self.state.snapshot()
         if payload is not None and self.compensation is not None and self.compensation.needs_parameters:
             self._snapshots[self.state.version] = payload
-        self.endpoint.send(learner, Message(kind, learner, self.state.version, self.epoch, payload=payload))
+        self.endpoint.send(learner, Message(kind, learner, self.state.version, self.epoch, payload=payload,
+                                            caused_at=self._cause))
 
     def _broadcast(self, kind: Kind) -> None:
         for learner in range(self.rules.p):

@@ -61,6 +61,10 @@ class Message:
     # server receiving the latest of them to sending this message.
     pushes: int = 0
     hold: float = 0.0
+    # Downlink: seconds from the arrival of the push this message answers (the paper's instant
+    # of the update or cancellation) to sending it: the server's own processing time.
+    age: float = 0.0
+    caused_at: float = 0.0  # local only (server): time.monotonic() of that arrival
     received_at: float = 0.0  # local only: time.monotonic() when the receiving side got it
 
 
@@ -90,6 +94,7 @@ def _encode(m: Message) -> tuple[Tensor, Tensor | None]:
                               int(inline), m.pushes, 0, 0])
     header[5:6].view(torch.float64)[0] = m.loss
     header[10:11].view(torch.float64)[0] = m.hold
+    header[11:12].view(torch.float64)[0] = m.age
     if inline:
         frame[HEADER_BYTES:].view(payload.dtype).copy_(payload)
         return frame, None
@@ -102,7 +107,8 @@ def _decode(frame: Tensor) -> tuple[Message, int, torch.dtype, bool]:
     header = frame[:HEADER_BYTES].view(torch.int64)
     h = header.tolist()
     message = Message(Kind(h[0]), h[1], h[2], h[3], h[4], header[5:6].view(torch.float64).item(),
-                      pushes=h[9], hold=header[10:11].view(torch.float64).item())
+                      pushes=h[9], hold=header[10:11].view(torch.float64).item(),
+                      age=header[11:12].view(torch.float64).item())
     numel, dtype, inline = h[6], _DTYPES[h[7]], bool(h[8])
     if numel and inline:
         nbytes = numel * dtype.itemsize
@@ -176,7 +182,9 @@ class ServerEndpoint:
 
     def _stamp(self, learner: int, message: Message) -> None:
         pushes, last = self._pushes[learner]
-        message.pushes, message.hold = pushes, (time.monotonic() - last) if pushes else 0.0
+        now = time.monotonic()
+        message.pushes, message.hold = pushes, (now - last) if pushes else 0.0
+        message.age = (now - message.caused_at) if message.caused_at else 0.0
 
     def _receive_loop(self, learner: int) -> None:
         # Runs until this learner says goodbye; a learner that dies breaks the recv.

@@ -25,7 +25,7 @@ HOLD = 0.2  # seconds the server waits between the learner's second push and its
 def describe(m: Message) -> dict:
     payload = None if m.payload is None else m.payload
     return {"kind": int(m.kind), "learner": m.learner, "version": m.version, "samples": m.samples,
-            "loss": m.loss, "pushes": m.pushes, "hold": m.hold,
+            "loss": m.loss, "pushes": m.pushes, "hold": m.hold, "age": m.age,
             "numel": 0 if payload is None else payload.numel(),
             "payload_ok": payload is None or torch.equal(payload, (SMALL if payload.numel() == SMALL.numel()
                                                                   else LARGE).to(payload.dtype))}
@@ -35,8 +35,8 @@ def server(group, out: str) -> None:
     events: queue.Queue = queue.Queue()
     endpoint = ServerEndpoint(group, 2, events.put, queue.Queue())
     received = [events.get(timeout=60), events.get(timeout=60)]  # two pushes
-    time.sleep(HOLD)
-    endpoint.send(1, Message(Kind.PARAMS, version=1, payload=SMALL.clone()))
+    time.sleep(HOLD)  # the answer is caused by the first push: its age covers the hold and more
+    endpoint.send(1, Message(Kind.PARAMS, version=1, payload=SMALL.clone(), caused_at=received[0].received_at))
     received.append(events.get(timeout=60))  # goodbye
     endpoint.send(1, Message(Kind.STOP, version=2, payload=LARGE.clone()))
     left = endpoint.join(30.0)
