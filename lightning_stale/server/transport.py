@@ -2,14 +2,17 @@
 
 Remote learners talk to the server over point-to-point gloo operations on a dedicated process
 group (PLATFORM-NOTES: separate group, CPU tensors, so a NCCL default group is untouched). A
-message is a fixed int64 header, then an optional payload tensor. The learner on the server's own
-rank uses in-process queues instead: gloo cannot send to oneself.
+message is one frame: a fixed int64 header with the payload behind it when the payload is small
+(up to INLINE_PAYLOAD_BYTES), else the header alone followed by the payload as a second gloo
+message. The receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it. The
+learner on the server's own rank uses in-process queues instead: gloo cannot send to oneself.
 
 Blocking is kept off the decision loop and away from other learners: every remote learner has
 its own receiving thread and its own sender thread (which drains that learner's outbox), so a
-learner frozen between the header and the payload of a message blocks only its own threads.
-(A single any-source receiver would wait for that payload and stall the server.) A sender that falls behind sends only the newest message: every message carries the
-complete state a learner needs (parameters, version, epochs ended, stop), see `coalesce`.
+learner frozen in the middle of a message blocks only its own threads. (A single any-source
+receiver would wait for the rest of that message and stall the server; it was also the slowest
+part of a push.) A sender that falls behind sends only the newest message: every message carries
+the complete state a learner needs (parameters, version, epochs ended, stop), see `coalesce`.
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ class ServerEndpoint:
     def send(self, learner: int, message: Message) -> None:
         if learner == 0:
             self._stamp(0, message)
-            message.received_at = message.received_at or time.monotonic()
+            message.received_at = time.monotonic()
             self.local_inbox.put(message)
         else:
             self._outboxes[learner].put(message)
