@@ -1,0 +1,107 @@
+"""GPU path check (run by hand on a machine with GPUs; not a timing benchmark).
+
+Runs the six variants of `StaleStrategy` with Lightning's default collectives on NCCL and checks
+what only a GPU run can show: the default group is NCCL while the server's group is gloo; the
+learners' and the server's parameters live on the GPU; gradients and parameters travel through
+the server as CPU vectors and come back to the device; every gradient is counted; the loss
+falls; after fit the module holds the server's parameters, and validation ran on them.
+
+With one GPU (``--devices 1``, the default when one is visible) the learner on rank 0 talks to
+the server through in-process queues, so only the device side is exercised; ``--devices 2`` or
+more (one GPU each) also sends CUDA-staged tensors over the gloo group. NCCL refuses two ranks
+on one GPU, so more learners than GPUs is not possible here. ``--accelerator cpu`` runs the same
+checks on CPU processes (gloo default group), to try the script itself.
+
+    python benchmarks/gpu_check.py [--devices 2] [--updates 60] [--accelerator gpu]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from pytorch_lightning import Callback, Trainer, seed_everything
+
+from _common import apply_process_settings, base_parser, is_rank_zero, prepare_out, table, write_results
+from lightning_stale import StaleStrategy
+from lightning_stale.data import DigitsDataModule
+from lightning_stale.delays import ShiftedExponential
+from lightning_stale.models import MLP, Classifier
+
+VARIANTS = ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")
+
+
+class Backends(Callback):
+    """The default group's and the server group's backends, while training (teardown drops
+    the server group)."""
+
+    def on_train_start(self, trainer, *args) -> None:
+        group = trainer.strategy._server_group
+        self.default = dist.get_backend()
+        self.server = dist.get_backend(group) if group is not None else "(P = 1: queues)"
+
+
+def check(name: str, args) -> dict:
+    seed_everything(args.seed, verbose=False)
+    dm = DigitsDataModule(batch_size=32)
+    model = Classifier(MLP(dm.input_shape, dm.num_classes), lr=0.1)
+    strategy = StaleStrategy(name, delay=ShiftedExponential(shift=0.002, mean=0.01, seed=args.seed),
+                             record_trace=False)
+    backends = Backends()
+    trainer = Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.updates,
+                      strategy=strategy, callbacks=[backends], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, dm)
+    if not is_rank_zero():
+        return {}
+    server = trainer.strategy._server
+    stats = trainer.strategy.stats
+    records = server.pop_update_records()
+    losses = [r.loss for r in records]
+    device = next(model.parameters()).device
+    return {
+        "variant": name, "updates": stats["updates"],
+        "default_backend": backends.default, "server_backend": backends.server,
+        "module_device": str(device), "server_device": str(server.state.params[0].device),
+        "counts_balance": stats["gradients_received"] == stats["gradients_applied"] + stats["gradients_dropped"]
+        + stats["gradients_in_flight_at_stop"],
+        "loss_first_10": sum(losses[:10]) / max(1, len(losses[:10])),
+        "loss_last_10": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "module_matches_server": all(torch.equal(a, b) for a, b in zip(model.parameters(), server.state.params)),
+        "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
+    }
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--devices", type=int, default=None, help="learners; default: the GPUs visible (CPU: 2)")
+    parser.add_argument("--updates", type=int, default=60)
+    args = parser.parse_args()
+    apply_process_settings(args)
+    if args.devices is None:
+        args.devices = torch.cuda.device_count() if args.accelerator == "gpu" else 2
+    if args.accelerator == "gpu" and not 1 <= args.devices <= torch.cuda.device_count():
+        raise SystemExit(f"gpu_check: --devices {args.devices} needs that many GPUs; "
+                         f"{torch.cuda.device_count()} visible")
+    rows = [check(name, args) for name in VARIANTS]
+    if not is_rank_zero():
+        return
+    expected_device = "cuda" if args.accelerator == "gpu" else "cpu"
+    expected_default = "nccl" if args.accelerator == "gpu" else "gloo"
+    failed = [r["variant"] for r in rows
+              if not (r["counts_balance"] and r["module_matches_server"] and r["loss_last_10"] < r["loss_first_10"]
+                      and r["module_device"].startswith(expected_device)
+                      and r["server_device"].startswith(expected_device)
+                      and r["default_backend"] == expected_default
+                      and r["server_backend"] == ("gloo" if args.devices > 1 else "(P = 1: queues)"))]
+    print(table(rows, list(rows[0])))
+    paths = write_results(prepare_out(args.out), "gpu_check", rows,
+                          {"accelerator": args.accelerator, "devices": args.devices, "updates": args.updates})
+    print("results:", *map(str, paths))
+    if failed:
+        raise SystemExit(f"gpu_check: checks failed for {', '.join(failed)}")
+    print(f"gpu_check: all six variants passed on {args.devices} {args.accelerator} learner(s)")
+
+
+if __name__ == "__main__":
+    main()
