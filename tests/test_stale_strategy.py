@@ -52,6 +52,11 @@ def test_straggler_model_naming_a_missing_learner_fails_when_the_trainer_is_buil
         pl.Trainer(accelerator="cpu", devices=4, strategy=StaleStrategy("k_async", 2, delay=delay))
 
 
+def test_a_gpu_only_backend_on_cpu_fails_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs GPUs.*use 'gloo'"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=StaleStrategy("k_async", process_group_backend="nccl"))
+
+
 @pytest.mark.parametrize("name", VARIANT_NAMES)
 def test_variant_names_are_registered_strategies(name):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, **QUIET)

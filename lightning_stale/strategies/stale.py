@@ -145,6 +145,10 @@ class StaleStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Runs in the launching process when the Trainer is built: fail before any process starts.
+        on_cpu = all(d.type == "cpu" for d in (self.parallel_devices or []))
+        if on_cpu and self._process_group_backend == "nccl":
+            raise ValueError("process_group_backend='nccl' needs GPUs, but this Trainer runs on CPU: "
+                             "use 'gloo' or leave it unset (the server's own traffic is always gloo)")
         variant = Variant.create(self.variant_name, self.num_learners, self.k)
         if self.delay is not None and hasattr(self.delay, "check_learners"):
             self.delay.check_learners(variant.p)
