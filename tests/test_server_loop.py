@@ -227,10 +227,10 @@ def test_a_total_delay_also_covers_the_measured_message_latency():
     learner, endpoint, _ = make_learner(delay=Delay(0.5))
     learner.delay_is_total = True
     learner.latency.observe(0.3)  # the downlink that started this mini-batch and the uplink
-    learner._cycle_start, learner._started_by_server = time.monotonic(), True
     endpoint.answer = Message(Kind.CONTINUE, version=0)
+    learner.step(loss=0.5, samples=4, local_epoch=0)  # started on w_0: no message ahead of it
     start = time.monotonic()
-    learner.step(loss=0.5, samples=4, local_epoch=0)
+    learner.step(loss=0.5, samples=4, local_epoch=0)  # started on the answer to the first push
     assert 0.15 <= time.monotonic() - start < 0.4
     # The server took 0.1 s to send the message that starts the next mini-batch: that counts too.
     endpoint.answer = Message(Kind.CONTINUE, version=0, age=0.1)

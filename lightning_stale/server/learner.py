@@ -60,8 +60,8 @@ class Learner:
                  delay_is_total: bool = False) -> None:
         self.endpoint, self.view, self.delay = endpoint, view, delay
         self.waits_for_answer, self.delay_is_total = waits_for_answer, delay_is_total
-        # When the current mini-batch's time X began: when the message that started it was
-        # received, or (a learner that goes on without an answer) when it pushed.
+        # When the current mini-batch's time X began, as the server will see it at the push's
+        # arrival (see `_absorb`), or (a learner that goes on without an answer) when it pushed.
         self._cycle_start = time.monotonic()
         self._last_event_at = self._cycle_start
         self.rank = endpoint.rank
@@ -75,9 +75,6 @@ class Learner:
         self._pushed_at = 0.0
         self._timed_pushes = 0  # pushes whose round trip was measured
         self.latency = MessageLatency()
-        # Did the current mini-batch start on a message from the server (then the downlink and
-        # the coming uplink are part of its X), or right after this learner's own push?
-        self._started_by_server = True
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, timeout: float | None) -> list[Message]:
@@ -111,9 +108,11 @@ class Learner:
             if m.pushes == self.pushes > self._timed_pushes:  # the first answer to our latest push
                 self.latency.observe(m.received_at - self._pushed_at - m.hold)
                 self._timed_pushes = self.pushes
-            # On this learner's clock, when the server event this message answers happened,
-            # less the downlink (which the round trip covers): the server's processing counts.
-            self._last_event_at = (m.received_at or time.monotonic()) - m.age
+            # On this learner's clock: when the server event this message answers happened
+            # (its age is the server's processing), less the round trip (the downlink behind
+            # this message and the uplink ahead of the next push). A mini-batch started by this
+            # message has used (now - this) of its X when its push arrives.
+            self._last_event_at = (m.received_at or time.monotonic()) - m.age - self.latency.mean
             if m.payload is not None and m.version != self.version:
                 self.view.load_params(m.payload)
                 self.version = m.version
@@ -128,19 +127,15 @@ class Learner:
 
     def restart_clock(self) -> None:
         """A mini-batch starts now, not on a server message (e.g. after validation)."""
-        self._cycle_start, self._started_by_server = time.monotonic(), False
+        self._cycle_start = time.monotonic()
 
     def _remaining_delay(self, seconds: float) -> float:
         """In total mode, what is left of X after what this mini-batch has already taken: the
-        time since it started (waking up, Lightning's step, forward, backward) and its messages
-        (the downlink that started it, if a server message did, and the uplink to come: their
-        sum is the measured round trip)."""
+        server's processing and the messages that started it, waking up, Lightning's step,
+        forward and backward, and the uplink to come (see `_absorb`)."""
         if not self.delay_is_total:
             return seconds
-        spent = time.monotonic() - self._cycle_start
-        if self._started_by_server:
-            spent += self.latency.mean
-        return max(0.0, seconds - spent)
+        return max(0.0, seconds - (time.monotonic() - self._cycle_start))
 
     # ------------------------------------------------------------------ one step
     def epoch_over(self, local_epoch: int) -> bool:
@@ -152,7 +147,6 @@ class Learner:
         try:
             started_by_server = self._step(loss, samples, local_epoch)
         finally:  # the next mini-batch's X started with the last message, or with our push
-            self._started_by_server = started_by_server
             self._cycle_start = self._last_event_at if started_by_server else self._pushed_at
 
     def _step(self, loss: float, samples: int, local_epoch: int) -> bool:
