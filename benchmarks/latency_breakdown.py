@@ -18,7 +18,7 @@ cycle (gradient pushed -> next delay starts) into:
   forward and backward).
 
 Rank 0's learner talks to the server through in-process queues; ranks 1..P-1 through gloo.
-The wrapped functions are internals (`lightning_stale.server.transport.send/recv`,
+The wrapped functions are internals (`lightning_stale.engine.distributed.transport.send/recv`,
 `LearnerEndpoint.push`, `Learner._wait`, `ParameterServer._on_push`, `ParameterServer._send`);
 the script stops with a clear error if they change.
 
@@ -44,15 +44,15 @@ from _common import (TinyRegression, apply_process_settings, base_parser, is_ran
                      prepare_out, regression_loader, table, trainer_kwargs, write_results)
 from lightning_stale import StaleStrategy
 from lightning_stale.delays import Exponential
-from lightning_stale.theory import expected_iteration_time
+from lightning_stale.method.theory import expected_iteration_time
 
 EVENTS: list[tuple] = []
 
 
 def instrument() -> None:
-    import lightning_stale.server.learner as learner_mod
-    import lightning_stale.server.parameter_server as server_mod
-    import lightning_stale.server.transport as transport
+    import lightning_stale.engine.distributed.learner as learner_mod
+    import lightning_stale.engine.distributed.server as server_mod
+    import lightning_stale.engine.distributed.transport as transport
 
     needed = [(transport, "recv"), (transport.LearnerEndpoint, "push"), (learner_mod.Learner, "_wait"),
               (server_mod.ParameterServer, "_on_push"), (server_mod.ParameterServer, "_send")]

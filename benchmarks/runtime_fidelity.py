@@ -3,7 +3,7 @@
 For each of the six variants (K = --k for the K-variants), P learner processes with injected
 Exponential(mean) straggler delays and a tiny least-squares model (compute is negligible): the
 measured mean time per server update (``trainer.strategy.stats["mean_update_interval_s"]``)
-divided by the theory's E[T] (`lightning_stale.theory.expected_iteration_time`). Target: within
+divided by the theory's E[T] (`lightning_stale.method.theory.expected_iteration_time`). Target: within
 5 %.
 
 Two more columns separate the causes of a gap:
@@ -35,7 +35,7 @@ from _common import (TinyRegression, add_delay_mode_argument, apply_process_sett
                      write_results)
 from lightning_stale import StaleStrategy
 from lightning_stale.delays import Exponential, Trace
-from lightning_stale.theory import expected_iteration_time, monte_carlo_iteration_times
+from lightning_stale.method.theory import expected_iteration_time, monte_carlo_iteration_times
 
 VARIANTS = ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")
 

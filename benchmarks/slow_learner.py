@@ -28,7 +28,7 @@ from _common import (TinyRegression, add_delay_mode_argument, apply_process_sett
                      write_results)
 from lightning_stale import StaleStrategy
 from lightning_stale.delays import Exponential, SlowLearners, Trace
-from lightning_stale.theory import monte_carlo_iteration_times
+from lightning_stale.method.theory import monte_carlo_iteration_times
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ from _common import (DelayCallback, apply_process_settings, base_parser, digits_
 from lightning_stale import SimulatedStaleStrategy, StaleStrategy, WallClockLogger
 from lightning_stale.delays import ShiftedExponential
 from lightning_stale.models import MLP, Classifier
-from lightning_stale.theory import expected_iteration_time
+from lightning_stale.method.theory import expected_iteration_time
 
 K_VARIANTS = ("k_sync", "k_batch_sync", "k_async", "k_batch_async")
 

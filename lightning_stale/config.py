@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_stale.variants import VARIANT_NAMES, Variant
+from lightning_stale.method.variants import VARIANT_NAMES, Variant
 
 CONF_PACKAGE = "lightning_stale.conf"
 RECIPES_PACKAGE = "lightning_stale.recipes"

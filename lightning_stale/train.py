@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 from pytorch_lightning import Trainer, seed_everything
 
-from lightning_stale.callbacks import WallClockLogger
+from lightning_stale.strategies.callbacks import WallClockLogger
 from lightning_stale.config import (ConfigError, process_count, recipes_dir, strategy_class,
                                     validate_config)
 

@@ -23,15 +23,15 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
-from lightning_stale.adaptive import AdaptiveK
-from lightning_stale.compensation import StalenessCompensation
+from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.delays import NoDelay, RecordingDelay, TraceRecorder
-from lightning_stale.records import UpdateRecord
-from lightning_stale.server.state import FlatView, ServerState, trainable_parameters
-from lightning_stale.simulation import Finish
-from lightning_stale.traces import trace_path
-from lightning_stale.strategies.simulated_engine import SimulatedServer
-from lightning_stale.variants import Variant, check_k
+from lightning_stale.engine.records import UpdateRecord
+from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.method.virtual_clock import Finish
+from lightning_stale.strategies.lightning_api import trace_path
+from lightning_stale.engine.simulated import SimulatedServer
+from lightning_stale.method.variants import Variant, check_k
 
 K_VARIANTS = ("k_sync", "k_batch_sync", "k_async", "k_batch_async")
 CHECKPOINT_KEY = "stale_server"
@@ -40,7 +40,7 @@ CHECKPOINT_KEY = "stale_server"
 class SimulatedStaleStrategy(SingleDeviceStrategy):
     """Distributed SGD with P simulated learners and a parameter server, in one process.
 
-    A discrete-event clock (`lightning_stale.simulation.VirtualCluster`) decides which learner
+    A discrete-event clock (`lightning_stale.method.virtual_clock.VirtualCluster`) decides which learner
     finishes its mini-batch next; its gradient is computed on the parameters it last pulled, on
     the batch Lightning hands to this training step, and `ServerRules` decide updates, drops and
     refreshes exactly as in the real parameter-server engine. Updates are applied by the same

@@ -19,16 +19,17 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_stale.adaptive import AdaptiveK
-from lightning_stale.compensation import StalenessCompensation
-from lightning_stale.traces import TraceRecorder, trace_path
-from lightning_stale.rules import ServerRules
-from lightning_stale.server.learner import Learner, ServerFailed
-from lightning_stale.server.parameter_server import ParameterServer, ServerLimits
-from lightning_stale.server.sampler import IndependentBatchSampler
-from lightning_stale.server.state import FlatView, ServerState, trainable_parameters
-from lightning_stale.server.transport import LearnerEndpoint, ServerEndpoint
-from lightning_stale.variants import VARIANT_NAMES, Variant, check_k
+from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.compensation import StalenessCompensation
+from lightning_stale.delays.traces import TraceRecorder
+from lightning_stale.strategies.lightning_api import trace_path
+from lightning_stale.method.rules import ServerRules
+from lightning_stale.engine.distributed.learner import Learner, ServerFailed
+from lightning_stale.engine.distributed.server import ParameterServer, ServerLimits
+from lightning_stale.strategies.sampling import IndependentBatchSampler
+from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
+from lightning_stale.method.variants import VARIANT_NAMES, Variant, check_k
 
 log = logging.getLogger(__name__)
 

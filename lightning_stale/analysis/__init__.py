@@ -1,0 +1,1 @@
+"""Reading finished runs (`runs`) and drawing the paper's figures from them (`plot`)."""

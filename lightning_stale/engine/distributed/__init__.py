@@ -1,0 +1,1 @@
+"""The server core across processes: the server loop, the learner's side and their transport."""

@@ -1,0 +1,3 @@
+"""The method of Dutta et al. (AISTATS 2018) with no Lightning and no transport: the six variants,
+the server's decision rules, the virtual clock, the runtime and error theory, AdaSync's K and
+staleness compensation. See docs/method.md."""

@@ -1,0 +1,73 @@
+"""P learners on a virtual clock, driven by `ServerRules`: the event-level model of PAPER.md.
+
+Each learner's mini-batch takes a random time X (drawn from a straggler model); the learner that
+finishes first pushes, the rules decide, and the learners they refresh or resume start their
+next mini-batch at that instant. Cancelled work simply never finishes. There are no tensors
+here: the theory's Monte Carlo estimate of E[T] runs this clock alone, and the simulated strategy
+computes a gradient only when a learner's push is popped.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from lightning_stale.method.rules import Decision, ServerRules
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Learner ``learner`` finishes a mini-batch computed at ``version`` at virtual ``time``."""
+
+    time: float
+    learner: int
+    version: int
+
+
+class VirtualCluster:
+    """Discrete-event clock for P learners following the rules' decisions.
+
+    Args:
+        rules: the decision object (its variant fixes P).
+        delay: any object with ``sample(learner) -> seconds`` (a `lightning_stale.delays` model).
+        compute_time: virtual seconds added to every mini-batch on top of the delay.
+    """
+
+    def __init__(self, rules: ServerRules, delay, compute_time: float = 0.0) -> None:
+        self.rules = rules
+        self.delay = delay
+        self.compute_time = compute_time
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, int]] = []  # (time, seq, learner, generation)
+        self._generation = [0] * rules.p
+        self._seq = 0
+        for learner in range(rules.p):
+            self._start(learner)
+
+    def _start(self, learner: int) -> None:
+        # A new generation invalidates whatever the learner was computing before (cancellation).
+        self._generation[learner] += 1
+        finish = self.now + self.compute_time + self.delay.sample(learner)
+        heapq.heappush(self._heap, (finish, self._seq, learner, self._generation[learner]))
+        self._seq += 1
+
+    def next_finish(self) -> Finish:
+        """Advance the clock to the next mini-batch that completes (cancelled ones are skipped)."""
+        while self._heap:
+            time, _, learner, generation = heapq.heappop(self._heap)
+            if generation == self._generation[learner]:
+                self.now = time
+                return Finish(time, learner, self.rules.learner_version(learner))
+        raise RuntimeError("no learner is computing: every learner waits, which the rules never allow")
+
+    def apply(self, decision: Decision) -> None:
+        """Start the next mini-batch of every learner the decision refreshed or resumed."""
+        for learner in decision.refresh + decision.resume:
+            self._start(learner)
+
+    def step(self) -> Decision:
+        """One push: pop the next finisher, ask the rules, schedule what follows."""
+        finish = self.next_finish()
+        decision = self.rules.on_push(finish.learner, finish.version)
+        self.apply(decision)
+        return decision

@@ -1,0 +1,56 @@
+"""Every use of Lightning beyond its public API, in one place, so an upgrade touches one file.
+
+Each function says which private name it relies on; the strategies call these, never the
+private names themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from pytorch_lightning.trainer.states import RunningStage
+from pytorch_lightning.utilities.data import _update_dataloader
+
+from lightning_stale.delays.traces import TRACE_FILE_NAME
+
+
+def run_closure(precision_plugin: Any, model: Any, optimizer: Any, closure: Any) -> Any:
+    """Forward, backward, ``on_before_optimizer_step`` and clipping, exactly once, as the
+    precision plugin's ``optimizer_step`` would run them (``Precision._wrap_closure``)."""
+    return precision_plugin._wrap_closure(model, optimizer, closure)
+
+
+def with_sampler(dataloader: Any, sampler: Any) -> Any:
+    """A copy of a training DataLoader drawing with ``sampler`` (``_update_dataloader``)."""
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
+def replace_sigterm_broadcast(epoch_loop: Any, check: Any) -> Any:
+    """Replace the per-batch broadcast of rank 0's SIGTERM flag (``_broadcast_sigterm_tensor``, a
+    collective that would put learners in lock-step) by ``check()``; returns the undo."""
+    epoch_loop._broadcast_sigterm_tensor = check
+    return lambda: epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def log_dir(trainer: Any) -> str | None:
+    """The first logger's folder, as ``trainer.log_dir`` gives it but without its broadcast: this
+    runs on rank 0 only, and engine ranks need not be in step with Lightning's collectives."""
+    if not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    if isinstance(logger, (CSVLogger, TensorBoardLogger)):
+        return logger.log_dir
+    return logger.save_dir
+
+
+def trace_path(record_trace: Any, trainer: Any) -> Path:
+    """Where an engine writes the delays it drew: ``record_trace`` True means ``delays.csv`` in
+    the log folder (the first logger's, else ``trainer.default_root_dir``); a path ending in
+    ``.csv`` is the file; any other path is a folder for ``delays.csv``."""
+    if record_trace is True:
+        return Path(log_dir(trainer) or trainer.default_root_dir) / TRACE_FILE_NAME
+    path = Path(os.fspath(record_trace))
+    return path if path.suffix == ".csv" else path / TRACE_FILE_NAME

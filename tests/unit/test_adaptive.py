@@ -1,0 +1,117 @@
+"""AdaptiveK: K_l = ceil(K_0 sqrt(F(w_0) / F(w_{l T0}))), capped at P, never decreasing."""
+
+import logging
+import math
+
+import pytest
+import torch
+from pytorch_lightning import Trainer
+
+from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.strategies.callbacks import WallClockLogger
+from lightning_stale.data import DigitsDataModule
+from lightning_stale.delays import Exponential
+from lightning_stale.models import Classifier
+from lightning_stale.models.nets import MLP
+from lightning_stale.strategies.simulated import SimulatedStaleStrategy
+
+logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+
+
+def test_follows_the_square_root_rule_on_hand_fed_losses():
+    schedule = AdaptiveK(k0=1, interval_s=1.0, max_k=4, window=1)
+    assert schedule.observe(0.5, 4.0) is None  # F(w_0) = 4, no boundary yet
+    assert schedule.observe(1.0, 1.0) == 2  # ceil(1 * sqrt(4 / 1)) = 2 (exact: no rounding up)
+    assert schedule.observe(1.5, 0.5) is None  # inside interval 1
+    assert schedule.observe(2.2, 0.25) == 4  # ceil(sqrt(16)) = 4
+    assert schedule.observe(3.1, 0.01) is None  # sqrt(400) = 20, capped at 4: no growth
+    assert schedule.observe(4.0, 10.0) is None  # the loss rose: K never decreases
+    assert schedule.k == 4
+    assert schedule.history == [(0.0, 1), (1.0, 2), (2.2, 4)]
+
+
+def test_uses_a_running_mean_of_recent_losses():
+    schedule = AdaptiveK(k0=2, interval_s=10.0, window=2)
+    schedule.limit(16)
+    for time_s, loss in [(1, 9.0), (2, 7.0), (3, 3.0)]:
+        assert schedule.observe(time_s, loss) is None
+    assert schedule.initial_loss == 8.0  # mean of the first `window` losses
+    # at the boundary the estimate is mean(3, 1) = 2: ceil(2 * sqrt(8 / 2)) = 4
+    assert schedule.observe(10.5, 1.0) == 4
+    assert schedule.current_loss == 2.0
+
+
+def test_several_intervals_passed_count_as_one_boundary():
+    schedule = AdaptiveK(k0=1, interval_s=1.0, max_k=8, window=1)
+    schedule.observe(0.1, 9.0)
+    assert schedule.observe(5.5, 1.0) == 3  # ceil(sqrt(9))
+    assert schedule.observe(5.9, 0.01) is None  # same interval as 5.5: next boundary is 6
+    assert schedule.observe(6.0, 0.01) == 8
+
+
+def test_never_exceeds_the_cap_and_only_grows():
+    schedule = AdaptiveK(k0=1, interval_s=0.5, window=3)
+    schedule.limit(5)
+    ks = [schedule.k]
+    for step in range(200):
+        loss = 10.0 * math.exp(-step / 20) * (1.5 if step % 7 == 0 else 1.0)
+        schedule.observe(step * 0.1, loss)
+        ks.append(schedule.k)
+    assert max(ks) == 5 and ks == sorted(ks)
+
+
+def test_ignores_non_finite_losses_and_jumps_to_the_cap_at_zero_loss():
+    schedule = AdaptiveK(k0=1, interval_s=1.0, max_k=3, window=1)
+    schedule.observe(0.0, 1.0)
+    assert schedule.observe(1.0, float("nan")) is None and schedule.k == 1
+    assert schedule.observe(1.1, 0.0) == 3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(k0=0, interval_s=1.0), "k0 must be an integer >= 1"),
+    (dict(k0=1, interval_s=0.0), "interval_s must be a finite number > 0"),
+    (dict(k0=3, interval_s=1.0, max_k=2), "max_k=2 is below k0=3"),
+    (dict(k0=1, interval_s=1.0, window=0), "window must be an integer >= 1"),
+])
+def test_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AdaptiveK(**kwargs)
+
+
+def test_limit_and_create():
+    with pytest.raises(ValueError, match="k0=5 exceeds the number of learners P=4"):
+        AdaptiveK(5, 1.0).limit(4)
+    schedule = AdaptiveK(1, 1.0, max_k=8)
+    schedule.limit(4)
+    assert schedule.max_k == 4
+    assert AdaptiveK.create(2.5, k0=2).interval_s == 2.5
+    assert AdaptiveK.create({"interval_s": 3.0, "window": 4}, k0=2).k0 == 2
+    assert AdaptiveK.create(None, k0=1) is None
+    with pytest.raises(ValueError, match="adaptive_k must be"):
+        AdaptiveK.create("fast", k0=1)
+
+
+def test_simulated_strategy_logs_a_growing_k():
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = Classifier(net=MLP((64,), 10, (32,)), lr=0.5)
+        schedule = AdaptiveK(k0=1, interval_s=2.0, window=5)
+        strategy = SimulatedStaleStrategy("k_async", delay=Exponential(1.0, seed=0), num_learners=4,
+                                          adaptive_k=schedule)
+        logger = WallClockLogger()
+        trainer = Trainer(strategy=strategy, max_steps=120, callbacks=[logger], logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, limit_val_batches=0, devices=1)
+        trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
+    finally:
+        torch.set_num_threads(threads)
+    ks = [int(row["k"]) for row in logger.rows]
+    assert len(ks) == 120 and ks[0] == 1
+    assert ks == sorted(ks) and max(ks) <= 4 and ks[-1] > 1  # grows, never past P
+    history = strategy.stats["k_history"]
+    assert [k for _, k in history] == sorted(set(ks))
+    assert schedule.history == [(0.0, 1)]  # the caller's object is left untouched
+    with pytest.raises(ValueError, match="k=2 disagrees with adaptive_k's k0=1"):
+        SimulatedStaleStrategy("k_async", k=2, adaptive_k=schedule)

@@ -1,0 +1,58 @@
+"""The app end to end, in-process: train(cfg) on one process (tests/integration runs the command line)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from lightning_stale.config import compose_config
+from lightning_stale.train import format_summary, train
+
+@pytest.fixture
+def isolated_ddp():
+    """Undo what a one-process DDP run leaves behind: launcher variables, the process group."""
+    saved = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_train_in_process(tmp_path, isolated_ddp):
+    cfg = compose_config("train", [
+        "engine=ddp", "variant=sync", "trainer.devices=1", "trainer.max_steps=12",
+        "+trainer.val_check_interval=6", "trainer.num_sanity_val_steps=0", "test=true",
+        f"output_dir={tmp_path}"])
+    summary = train(cfg)
+
+    assert summary["updates"] == 12 and summary["variant"] == "sync"
+    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0
+    assert 0.0 <= summary["val_acc"] <= 1.0 and 0.0 <= summary["test_acc"] <= 1.0
+    assert summary["wall_time_s"] >= summary["train_time_s"] > 0
+    log_dir = Path(summary["log_dir"])
+    assert log_dir.is_relative_to(tmp_path)
+    wallclock = read_rows(log_dir / "wallclock.csv")
+    assert [int(row["update"]) for row in wallclock] == list(range(1, 13))
+    metrics = read_rows(log_dir / "metrics.csv")
+    assert any(row.get("val/acc") for row in metrics)
+    assert "updates=12" in format_summary(summary)
+
+
+def test_train_without_logger(tmp_path, isolated_ddp):
+    cfg = compose_config("train", [
+        "engine=ddp", "trainer.devices=1", "trainer.max_steps=3", "trainer.num_sanity_val_steps=0",
+        "logger=none", "validate=false", f"output_dir={tmp_path}"])
+    summary = train(cfg)
+    assert summary["log_dir"] is None and summary["updates"] == 3
+    assert "val_acc" not in summary

@@ -1,0 +1,212 @@
+"""The six variants' rules, driven with hand-built events (PAPER.md, "The six variants")."""
+
+import random
+
+import pytest
+
+from lightning_stale.delays import Exponential
+from lightning_stale.method.rules import ProtocolError, ServerRules
+from lightning_stale.method.virtual_clock import VirtualCluster
+from lightning_stale.method.variants import VARIANT_NAMES, Variant
+
+
+def rules(name, p=4, k=None):
+    return ServerRules(Variant.create(name, p, k))
+
+
+# ---------------------------------------------------------------- construction and K
+@pytest.mark.parametrize("name,k,expected", [("sync", None, 4), ("async", None, 1), ("k_sync", None, 2),
+                                             ("k_batch_async", 3, 3), ("k_async", 4, 4)])
+def test_k_defaults_and_values(name, k, expected):
+    assert Variant.create(name, 4, k).k == expected
+
+
+@pytest.mark.parametrize("name,k,match", [
+    ("k_sync", 5, r"1 <= K <= P=4, got K=5"),
+    ("k_async", 0, r"got K=0"),
+    ("k_batch_sync", 2.5, r"integer .* got 2.5"),
+    ("sync", 2, r"'sync' means K=P=4, got K=2"),
+    ("async", 3, r"'async' means K=1, got K=3"),
+    ("fast", None, r"unknown variant 'fast'; choose one of sync, k_sync"),
+])
+def test_bad_variant_or_k_is_a_clear_error(name, k, match):
+    with pytest.raises(ValueError, match=match):
+        Variant.create(name, 4, k)
+
+
+def test_only_a_k_batch_sync_pusher_goes_on_without_an_answer():
+    assert [n for n in VARIANT_NAMES if not Variant.create(n, 4).pusher_needs_answer] == ["k_batch_sync"]
+
+
+def test_switches_describe_all_six():
+    table = {n: (Variant.create(n, 4).counts, Variant.create(n, 4).synchronous) for n in VARIANT_NAMES}
+    assert table == {
+        "sync": ("learners", True), "k_sync": ("learners", True), "k_batch_sync": ("batches", True),
+        "async": ("learners", False), "k_async": ("learners", False), "k_batch_async": ("batches", False),
+    }
+
+
+# ---------------------------------------------------------------- sync family
+def test_fully_sync_waits_for_all_and_refreshes_all():
+    r = rules("sync")
+    for learner in (2, 0, 3):
+        d = r.on_push(learner, 0)
+        assert d.accepted and d.update is None and d.refresh == () and r.is_waiting(learner)
+    d = r.on_push(1, 0)
+    assert d.update.index == 1 and {g.learner for g in d.update.gradients} == {0, 1, 2, 3}
+    assert d.refresh == (0, 1, 2, 3) and d.cancel == () and d.update.staleness == (0, 0, 0, 0)
+
+
+def test_k_sync_cancels_stragglers_and_drops_their_late_gradient():
+    r = rules("k_sync", k=2)
+    r.on_push(3, 0)
+    d = r.on_push(1, 0)
+    assert d.update is not None and [g.learner for g in d.update.gradients] == [3, 1]
+    assert d.refresh == (0, 1, 2, 3) and d.cancel == (0, 2)
+    # learner 0 had finished at w_0 before its cancellation reached it: dropped, not applied
+    late = r.on_push(0, 0)
+    assert late.dropped == "stale" and not late.accepted and late.refresh == ()
+    assert r.learner_version(0) == 1 and not r.is_waiting(0)
+    # learner 0 now pushes at w_1 like everyone else
+    assert r.on_push(0, 1).accepted
+    assert r.counts.dropped["stale"] == 1 and r.accounting_ok()
+
+
+def test_k_sync_one_gradient_per_learner_per_update():
+    r = rules("k_sync", k=3)
+    r.on_push(0, 0)
+    with pytest.raises(ProtocolError, match="waiting"):
+        r.on_push(0, 0)
+
+
+def test_k_batch_sync_counts_minibatches_from_any_learner():
+    r = rules("k_batch_sync", k=3)
+    d1 = r.on_push(2, 0)
+    assert d1.resume == (2,) and d1.refresh == ()  # goes on at the same w_0
+    d2 = r.on_push(2, 0)
+    assert d2.resume == (2,)
+    d3 = r.on_push(0, 0)
+    assert [g.learner for g in d3.update.gradients] == [2, 2, 0]
+    # everyone restarts; all but the pusher were computing and are cancelled
+    assert d3.refresh == (0, 1, 2, 3) and d3.cancel == (1, 2, 3)
+    assert r.on_push(2, 0).dropped == "stale"
+    assert r.accounting_ok()
+
+
+# ---------------------------------------------------------------- async family
+def test_async_applies_every_gradient_and_only_pusher_refreshes():
+    r = rules("async")
+    d = r.on_push(1, 0)
+    assert d.update.index == 1 and d.refresh == (1,) and d.cancel == ()
+    d = r.on_push(3, 0)  # computed at w_0, applied to w_1: staleness 1
+    assert d.update.staleness == (1,) and d.refresh == (3,)
+    d = r.on_push(0, 0)
+    assert d.update.staleness == (2,)
+    assert r.counts.staleness == {0: 1, 1: 1, 2: 1}
+
+
+def test_k_async_needs_k_distinct_learners_and_refreshes_only_them():
+    r = rules("k_async", k=2)
+    d = r.on_push(0, 0)
+    assert d.accepted and d.update is None and d.refresh == ()
+    with pytest.raises(ProtocolError):
+        r.on_push(0, 0)  # a pusher waits for w_1
+    d = r.on_push(2, 0)
+    assert d.update.version == 1 and d.refresh == (0, 2) and d.cancel == ()
+    # learners 1 and 3 kept computing on w_0: their gradients are applied with staleness 1
+    r.on_push(1, 0)
+    d = r.on_push(0, 1)
+    assert sorted(zip([g.learner for g in d.update.gradients], d.update.staleness)) == [(0, 0), (1, 1)]
+    assert d.refresh == (0, 1)
+
+
+def test_k_batch_async_pusher_pulls_current_parameters_at_once():
+    r = rules("k_batch_async", k=2)
+    d = r.on_push(1, 0)
+    assert d.resume == (1,)  # nothing newer than what it holds
+    d = r.on_push(1, 0)
+    assert d.update is not None and d.refresh == (1,)  # its push made w_1: it gets w_1
+    d = r.on_push(3, 0)
+    assert d.refresh == (3,) and d.update is None  # pulls w_1 right away
+    d = r.on_push(0, 0)
+    assert d.update.staleness == (1, 1) and d.refresh == (0,)
+
+
+# ---------------------------------------------------------------- flush, stop, accounting
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_flush_drops_pending_and_everything_computed_before(name):
+    r = rules(name, k=None if name in ("sync", "async") else 3)
+    r.on_push(0, 0)  # pending, except for async where it is applied at once
+    before = r.version
+    d = r.flush("epoch_end")
+    assert d.refresh == (0, 1, 2, 3) and r.version == before + 1 and r.counts.updates == before
+    assert d.cancel == ((1, 2, 3) if name != "async" and r.variant.pusher_waits else (0, 1, 2, 3))
+    assert r.on_push(2, 0).dropped == "flushed"  # computed before the flush, whatever the family
+    assert r.on_push(0, r.version).accepted  # learner 0 no longer waits: the flush answered it
+    expected = {"flushed": 1} if name == "async" else {"epoch_end": 1, "flushed": 1}
+    assert dict(r.counts.dropped) == expected and r.accounting_ok()
+
+
+def test_stop_counts_pending_and_late_pushes_as_in_flight():
+    r = rules("k_async", k=3)
+    r.on_push(0, 0)
+    r.on_push(1, 0)
+    r.stop()
+    assert r.on_push(2, 0).dropped == "in_flight_at_stop"
+    s = r.stats()
+    assert s["gradients_in_flight_at_stop"] == 3 and s["gradients_received"] == 3 and r.accounting_ok()
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_random_interleavings_keep_the_books(name):
+    """Drive the rules with a random but protocol-respecting schedule: every push is accounted."""
+    rng = random.Random(7)
+    r = ServerRules(Variant.create(name, 5, None if name in ("sync", "async") else 3))
+    # learners with a push in flight to the server: (learner, version); like the real engine,
+    # the rules may already have refreshed a learner whose push has not arrived yet
+    in_flight, busy = [], set()
+    for _ in range(2000):
+        idle = [l for l in range(5) if l not in busy and not r.is_waiting(l)]
+        if in_flight and (not idle or rng.random() < 0.5):
+            learner, version = in_flight.pop(rng.randrange(len(in_flight)))
+            busy.discard(learner)
+            d = r.on_push(learner, version)
+            if r.variant.synchronous:
+                assert d.update is None or set(d.update.staleness) == {0}
+        elif idle:
+            learner = rng.choice(idle)
+            busy.add(learner)
+            in_flight.append((learner, r.learner_version(learner)))
+        if rng.random() < 0.01:
+            r.flush("epoch_end")
+        assert r.accounting_ok()
+    r.stop()
+    s = r.stats()
+    assert s["gradients_received"] == s["gradients_applied"] + s["gradients_dropped"] + s["gradients_in_flight_at_stop"]
+    assert s["updates"] > 50
+    assert sum(s["staleness_histogram"].values()) == s["gradients_applied"]
+
+
+# ---------------------------------------------------------------- the clock
+def test_virtual_cluster_k_async_uses_k_distinct_learners():
+    r = rules("k_async", k=2)
+    cluster = VirtualCluster(r, Exponential(mean=1.0, seed=3))
+    updates = 0
+    while updates < 200:
+        d = cluster.step()
+        if d.update:
+            updates += 1
+            assert len({g.learner for g in d.update.gradients}) == 2
+    assert r.accounting_ok() and cluster.now > 0
+
+
+def test_virtual_cluster_batch_variant_lets_one_learner_push_twice():
+    r = rules("k_batch_sync", k=4)
+    cluster = VirtualCluster(r, Exponential(mean=1.0, seed=1))
+    repeated = 0
+    for _ in range(400):
+        d = cluster.step()
+        if d.update:
+            learners = [g.learner for g in d.update.gradients]
+            repeated += len(learners) != len(set(learners))
+    assert repeated > 0
