@@ -1,6 +1,6 @@
 """Reading finished runs and computing the numbers of the paper's figures.
 
-Dutta et al., "Slow and Stale Gradients Can Win the Race" (AISTATS 2018; PAPER.md) judge the
+Dutta et al., "Slow and Stale Gradients Can Win the Race" (AISTATS 2018; docs/method.md) judge the
 distributed-SGD variants by training error against wall-clock time. Every run of
 ``python -m lightning_stale.train`` (real engine or simulated) leaves in its Hydra run directory:
 
@@ -285,7 +285,7 @@ def delay_model(config: DictConfig):
 
 def theory_rows(runs: list[Run], updates: int = 20000) -> list[dict]:
     """Measured mean time per update beside E[T] from `theory.expected_iteration_time` (closed
-    form where PAPER.md has one, Monte Carlo on the event simulation otherwise). Adaptive-K runs
+    form where docs/method.md has one, Monte Carlo on the event simulation otherwise). Adaptive-K runs
     are left out: their K, and so E[T], changes during the run."""
     rows, cache = [], {}
     for run in runs:
@@ -335,7 +335,7 @@ def convex_problem(run: Run):
 
 def floor_rows(runs: list[Run], tail_fraction: float = 0.5, min_validations: int = 3) -> list[dict]:
     """Error floor E[F(w)] - F* of sync-family runs on the convex problem beside the bound
-    eta L sigma^2 / (2 c K m) of Dutta et al. 2018 (PAPER.md, "Error after J iterations").
+    eta L sigma^2 / (2 c K m) of Dutta et al. 2018 (docs/method.md, "Error after J iterations").
 
     F(w) is ``val/loss`` (ConvexDataModule validates on the training set, so it is F exactly)
     averaged over the last ``tail_fraction`` of the validations. Runs with fewer than

@@ -29,7 +29,7 @@ class InMemoryDataModule(LightningDataModule):
             which is fastest for tensors already in memory.
         seed: seeds the train/val split and the order of training batches.
         drop_last: drop the last incomplete training batch, so that every gradient averages
-            exactly ``batch_size`` samples (the error bound of PAPER.md assumes a fixed m).
+            exactly ``batch_size`` samples (the error bound of docs/method.md assumes a fixed m).
             Evaluation loaders never drop samples.
     """
 

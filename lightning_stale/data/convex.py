@@ -21,7 +21,7 @@ class ConvexDataModule(InMemoryDataModule):
     L = lambda_max(H) (``smoothness``) and c = lambda_min(H) (``strong_convexity``), and its
     minimiser is w* = H^{-1} X^T y / n (``optimum``), F* = F(w*) (``optimal_loss``).
     These are the constants of the error bound of Dutta et al. (AISTATS 2018) recalled in
-    PAPER.md: for the sync family (K-sync, K-batch-sync) with a small enough step eta,
+    docs/method.md: for the sync family (K-sync, K-batch-sync) with a small enough step eta,
 
         E[F(w_J)] - F* <= eta L sigma^2 / (2 c K m) + (1 - eta c)^J (F(w_0) - F* - floor),
 
@@ -90,7 +90,7 @@ class ConvexDataModule(InMemoryDataModule):
         """sigma^2 = (1/n) sum_i ||grad f_i(w) - grad F(w)||^2, at w* unless ``w`` is given.
 
         The per-sample variance: a mini-batch of m samples drawn uniformly with replacement has
-        gradient variance sigma^2 / m, the form PAPER.md's bound assumes. The l2 term is common to
+        gradient variance sigma^2 / m, the form docs/method.md's bound assumes. The l2 term is common to
         every f_i and cancels, leaving the spread of x_i (x_i . w - y_i).
         """
         w = self.optimum if w is None else self._as_vector(w)
@@ -100,7 +100,7 @@ class ConvexDataModule(InMemoryDataModule):
         return float(np.mean(np.sum(deviation ** 2, axis=1)))
 
     def sync_error_floor(self, lr: float, k: int, batch_size: int | None = None) -> float:
-        """eta L sigma^2 / (2 c K m): the sync-family error floor of PAPER.md (Dutta et al. 2018),
+        """eta L sigma^2 / (2 c K m): the sync-family error floor of docs/method.md (Dutta et al. 2018),
         with sigma^2 at w* and m = ``batch_size`` (this module's by default)."""
         m = self.batch_size if batch_size is None else batch_size
         return (lr * self.smoothness * self.gradient_variance()

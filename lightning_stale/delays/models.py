@@ -1,6 +1,6 @@
 """Straggler models: the extra delay (seconds) added to each learner's mini-batch gradient.
 
-PAPER.md models the compute time X of one mini-batch gradient as i.i.d. across learners and
+docs/method.md models the compute time X of one mini-batch gradient as i.i.d. across learners and
 mini-batches, exponential or shifted exponential (Dutta et al., AISTATS 2018). A `DelayModel`
 draws that time, or the straggling part of it, for one learner at a time:
 
@@ -156,7 +156,7 @@ class _RandomDelay(DelayModel):
 class Exponential(_RandomDelay):
     """Exponential delays with the given mean, X ~ Exp(rate 1/mean).
 
-    The straggler model of Dutta et al. 2018 (PAPER.md, "X ~ Exp(rate mu)"). `rate` (= mu) and
+    The straggler model of Dutta et al. 2018 (docs/method.md, "X ~ Exp(rate mu)"). `rate` (= mu) and
     `shift` (= 0) are exposed so closed-form theory treats it like `ShiftedExponential`.
     """
 
@@ -179,7 +179,7 @@ class Exponential(_RandomDelay):
 class ShiftedExponential(_RandomDelay):
     """Shifted exponential delays, X = shift + Exp(mean `mean`).
 
-    Dutta et al. 2018 (PAPER.md, "X ~ shift D + Exp(mu)") with D = `shift` and mu = `rate` =
+    Dutta et al. 2018 (docs/method.md, "X ~ shift D + Exp(mu)") with D = `shift` and mu = `rate` =
     1 / `mean`. Note that the constructor's `mean` is the mean of the exponential part only:
     the `mean` property, the expected total delay, is shift + mean. Its draws equal those of
     `Exponential(mean, seed)` plus `shift`.

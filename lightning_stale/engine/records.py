@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class UpdateRecord:
-    """One server update w_j -> w_{j+1} (PAPER.md, update rule).
+    """One server update w_j -> w_{j+1} (docs/method.md, update rule).
 
     Attributes:
         update: how many updates the server has applied, this one included (1 for the first).

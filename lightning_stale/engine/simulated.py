@@ -1,6 +1,6 @@
 """The simulated parameter server: virtual clock + rules + server state, with no Lightning.
 
-`SimulatedServer` runs P learners in one process (Dutta et al., AISTATS 2018; PAPER.md). A
+`SimulatedServer` runs P learners in one process (Dutta et al., AISTATS 2018; docs/method.md). A
 `VirtualCluster` says which learner finishes its mini-batch next and at which virtual time; the
 caller computes that learner's gradient on the parameters it last pulled
 (`parameters_for`) and hands it to `push`; `ServerRules` decides, exactly as in the real engine,

@@ -2,7 +2,7 @@
 
 Both engines own one `ServerState`. It is built from the learner's module and optimizer, so any
 torch optimizer works (momentum and Adam moments live here, next to the server's parameters),
-and it applies PAPER.md's update
+and it applies docs/method.md's update
 
     w_{j+1} = w_j - (eta / K) * sum_{l=1..K} g(w_{tau(l,j)}, xi_{l,j})
 

@@ -1,6 +1,6 @@
 """Gradually increasing synchrony: K grows as the training loss falls (AdaSync).
 
-PAPER.md, "Gradually increasing synchrony"; Dutta, Wang, Joshi, "Slow and Stale Gradients Can
+docs/method.md, "Gradually increasing synchrony"; Dutta, Wang, Joshi, "Slow and Stale Gradients Can
 Win the Race" (arXiv 2003.10579, adaptive synchronicity). Training time is split into
 wall-clock intervals of length T0; at the start of interval l,
 

@@ -1,4 +1,4 @@
-"""Staleness compensation: a per-gradient weight on the server step (PAPER.md, "Beyond the base
+"""Staleness compensation: a per-gradient weight on the server step (docs/method.md, "Beyond the base
 method").
 
 A stale gradient g(w_tau) was computed at parameters that the server has since moved away from.

@@ -7,7 +7,7 @@ parameters, whose unfinished work is cancelled, and who goes on with what it hol
 (the real parameter server and the virtual-clock simulator) and the Monte Carlo theory drive
 this one object, so they cannot disagree about the method.
 
-The method is PAPER.md's update rule (Dutta et al., AISTATS 2018, Section 2):
+The method is docs/method.md's update rule (Dutta et al., AISTATS 2018, Section 2):
 
     w_{j+1} = w_j - (eta / K) * sum_{l=1..K} g(w_{tau(l,j)}, xi_{l,j})
 

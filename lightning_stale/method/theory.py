@@ -1,11 +1,11 @@
 """Runtime and error theory of Dutta et al., "Slow and Stale Gradients Can Win the Race",
-AISTATS 2018 (PAPER.md): the expected time per server update E[T] of the six variants, and the
+AISTATS 2018 (docs/method.md): the expected time per server update E[T] of the six variants, and the
 error bounds of the sync and async families against iterations and against wall-clock time.
 
 Times are in seconds (the units of the delay model's draws). Errors, error floors and initial
 gaps are in the units of the objective F, as E[F(w_J)] - F*.
 
-Every closed form of PAPER.md's E[T] table was checked against the event-level simulation
+Every closed form of docs/method.md's E[T] table was checked against the event-level simulation
 (`VirtualCluster` driven by `ServerRules`, the very rules the engines use); all agree with it to
 sampling accuracy (well under 1% with 60,000 mini-batch pushes; see tests/test_theory.py).
 """
@@ -26,7 +26,7 @@ METHODS = ("auto", "closed_form", "monte_carlo")
 
 
 def harmonic(n: int) -> float:
-    """H_n = 1 + 1/2 + ... + 1/n, with H_0 = 0 (PAPER.md, "Expected time per iteration")."""
+    """H_n = 1 + 1/2 + ... + 1/n, with H_0 = 0 (docs/method.md, "Expected time per iteration")."""
     if isinstance(n, bool) or int(n) != n or n < 0:
         raise ValueError(f"harmonic(n) needs an integer n >= 0, got {n!r}")
     return math.fsum(1.0 / i for i in range(1, int(n) + 1))
@@ -43,8 +43,8 @@ def _as_variant(variant: str | Variant, p: int | None, k: int | None) -> Variant
 
 
 def closed_form_iteration_time(variant: Variant, delay) -> float:
-    """E[T] in seconds from PAPER.md's table (Dutta et al., AISTATS 2018,
-    runtime analysis; PAPER.md, "Expected time per iteration E[T]").
+    """E[T] in seconds from docs/method.md's table (Dutta et al., AISTATS 2018,
+    runtime analysis; docs/method.md, "Expected time per iteration E[T]").
 
     X = D + Exp(rate mu) (D = 0 for `Exponential`). Why each formula holds for the rules as
     implemented in `ServerRules`:
@@ -67,7 +67,7 @@ def closed_form_iteration_time(variant: Variant, delay) -> float:
     """
     if not isinstance(delay, (Exponential, ShiftedExponential)):
         raise ValueError(
-            f"no closed form for E[T] with the delay model {delay!r}: PAPER.md's formulas assume "
+            f"no closed form for E[T] with the delay model {delay!r}: docs/method.md's formulas assume "
             "exponential or shifted-exponential delays; use method='monte_carlo'"
         )
     shift, rate, p, k, name = delay.shift, delay.rate, variant.p, variant.k, variant.name
@@ -122,7 +122,7 @@ def monte_carlo_iteration_times(variant: str | Variant, p: int | None = None, k:
                                 delay=None, *, updates: int = 20000,
                                 seed: int | None = 0) -> np.ndarray:
     """Seconds between consecutive server updates in one simulated run (the first interval starts
-    at time 0, when all learners start in phase). Dutta et al., AISTATS 2018 (PAPER.md, "Expected
+    at time 0, when all learners start in phase). Dutta et al., AISTATS 2018 (docs/method.md, "Expected
     time per iteration E[T]"): T is the runtime per iteration. `delay` defaults to
     Exponential(mean 1 s); seed None keeps the model's own."""
     variant = _as_variant(variant, p, k)
@@ -134,7 +134,7 @@ def expected_iteration_time(variant: str | Variant, p: int | None = None, k: int
                             delay=None, *, method: str = "auto", updates: int = 20000,
                             warmup: int | None = None, seed: int | None = 0) -> float:
     """E[T], the expected time in seconds between server updates (Dutta et al., AISTATS 2018,
-    runtime analysis; PAPER.md, "Expected time per iteration E[T]").
+    runtime analysis; docs/method.md, "Expected time per iteration E[T]").
 
     Args:
         variant: a variant name (with `p` and `k`, see `Variant.create`) or a `Variant`.
@@ -196,7 +196,7 @@ def _floor_and_rate(eta, smoothness, strong_convexity, gradient_variance, k, bat
     if c > smoothness:
         raise ValueError(
             f"strong_convexity c={c} exceeds smoothness L={smoothness}: no function is both")
-    # PAPER.md states the bound "for eta small enough"; every step-size condition of this kind
+    # docs/method.md states the bound "for eta small enough"; every step-size condition of this kind
     # includes eta <= 1/L, and beyond it (1 - eta c gamma') may leave [0, 1): reject, not warn.
     if eta * smoothness > 1:
         raise ValueError(
@@ -219,7 +219,7 @@ def _bound(j, floor: float, rate: float, initial_gap):
 
 def sync_error_floor(eta, smoothness, strong_convexity, gradient_variance, k, batch_size) -> float:
     """eta L sigma^2 / (2 c K m): the error floor of K-sync and K-batch-sync SGD (Dutta et al.,
-    AISTATS 2018, error analysis of the sync variants; PAPER.md, "Error after J iterations").
+    AISTATS 2018, error analysis of the sync variants; docs/method.md, "Error after J iterations").
 
     Units: F's. eta is the step size, L the smoothness and c the strong-convexity constants of F,
     sigma^2 the variance of one sample's gradient (a mini-batch's is sigma^2 / m; 0 is allowed),
@@ -231,7 +231,7 @@ def sync_error_floor(eta, smoothness, strong_convexity, gradient_variance, k, ba
 def sync_error_bound(j, eta, smoothness, strong_convexity, gradient_variance, k, batch_size,
                      initial_gap):
     """Bound on E[F(w_j)] - F* after j iterations of the sync family (Dutta et al. 2018, as in
-    PAPER.md): floor + (1 - eta c)^j (initial_gap - floor), with initial_gap = E[F(w_0)] - F*.
+    docs/method.md): floor + (1 - eta c)^j (initial_gap - floor), with initial_gap = E[F(w_0)] - F*.
 
     Units: F's. j may be fractional or an array (e.g. j = t / E[T]). Arguments as in
     `sync_error_floor`."""
@@ -255,7 +255,7 @@ def _gamma_prime(gamma, p0) -> float:
 def async_error_floor(eta, smoothness, strong_convexity, gradient_variance, k, batch_size,
                       gamma, p0) -> float:
     """eta L sigma^2 / (2 c gamma' K m), gamma' = 1 - gamma + p0/2: the error floor of the async
-    family (Dutta et al., AISTATS 2018, error analysis of Async and K-async SGD; PAPER.md).
+    family (Dutta et al., AISTATS 2018, error analysis of Async and K-async SGD; docs/method.md).
 
     Units: F's. gamma bounds how far a stale gradient strays from the fresh one, p0 in [0, 1] is
     a lower bound on the probability that a gradient is fresh. Raises ValueError if gamma' <= 0,
@@ -267,7 +267,7 @@ def async_error_floor(eta, smoothness, strong_convexity, gradient_variance, k, b
 def async_error_bound(j, eta, smoothness, strong_convexity, gradient_variance, k, batch_size,
                       initial_gap, gamma, p0):
     """floor + (1 - eta c gamma')^j (initial_gap - floor) for the async family (Dutta et al.
-    2018, as in PAPER.md). Units: F's. Arguments as in `async_error_floor`."""
+    2018, as in docs/method.md). Units: F's. Arguments as in `async_error_floor`."""
     floor, rate = _floor_and_rate(eta, smoothness, strong_convexity, gradient_variance, k,
                                   batch_size, _gamma_prime(gamma, p0))
     return _bound(j, floor, rate, initial_gap)
@@ -276,7 +276,7 @@ def async_error_bound(j, eta, smoothness, strong_convexity, gradient_variance, k
 def error_against_time(t, expected_time, *, eta, smoothness, strong_convexity, gradient_variance,
                        k, batch_size, initial_gap, gamma=None, p0=None):
     """The error bound after t seconds of wall-clock time, with J = t / E[T] iterations
-    (Dutta et al., AISTATS 2018: error-runtime trade-off; PAPER.md, last line of "Error after J
+    (Dutta et al., AISTATS 2018: error-runtime trade-off; docs/method.md, last line of "Error after J
     iterations"). The async bound if gamma and p0 are given, else the sync one. Units: t and
     expected_time in seconds, the result in F's; t may be an array (for plots)."""
     expected_time = _check("expected_time E[T]", expected_time)

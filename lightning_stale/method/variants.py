@@ -1,6 +1,6 @@
 """The six distributed-SGD variants of Dutta et al. (AISTATS 2018) as one description.
 
-Every variant is the same parameter-server rule with two switches (PAPER.md, "The six variants"):
+Every variant is the same parameter-server rule with two switches (docs/method.md, "The six variants"):
 
 * ``counts``: what K counts before the server updates.
   ``"learners"``: K gradients from K *distinct* learners; a learner that pushed waits for

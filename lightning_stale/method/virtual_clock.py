@@ -1,4 +1,4 @@
-"""P learners on a virtual clock, driven by `ServerRules`: the event-level model of PAPER.md.
+"""P learners on a virtual clock, driven by `ServerRules`: the event-level model of docs/method.md.
 
 Each learner's mini-batch takes a random time X (drawn from a straggler model); the learner that
 finishes first pushes, the rules decide, and the learners they refresh or resume start their

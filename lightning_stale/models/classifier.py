@@ -49,7 +49,7 @@ class Classifier(LightningModule):
             passes a ``_partial_: true`` net config, built here from ``input_shape`` and
             ``num_classes`` (the app passes the data module's).
         lr: learning rate eta. Gradients averaged over K learners are applied with this eta, not
-            rescaled by K (PAPER.md's update rule).
+            rescaled by K (docs/method.md's update rule).
         optimizer: "sgd" | "adam" | "adamw".
         momentum: SGD momentum (the paper's analysis is for plain SGD, momentum 0).
         weight_decay: passed to the optimizer.

@@ -19,7 +19,7 @@ class LeastSquares(LightningModule):
         (1/2m) ||X_b w - y_b||^2 + (l2/2) ||w||^2,
 
     the mean of the per-sample objectives f_i of ``ConvexDataModule``: an unbiased estimate of
-    F(w), whose gradient is an unbiased estimate of grad F(w), as the error bound of PAPER.md
+    F(w), whose gradient is an unbiased estimate of grad F(w), as the error bound of docs/method.md
     (Dutta et al. 2018) assumes. The l2 term is part of the loss rather than optimizer weight
     decay so that ``train/loss`` and ``val/loss`` are values of F itself; with ``bias=True`` only
     the weights are regularised (and ``ConvexDataModule.optimum`` no longer applies).
@@ -27,7 +27,7 @@ class LeastSquares(LightningModule):
     Args:
         l2: regularisation strength; Hydra's config takes it from the data config
             (``${data.l2}``) so model and data always agree.
-        lr: step size eta; PAPER.md's bound needs eta small enough (eta <= 1/L is safe).
+        lr: step size eta; docs/method.md's bound needs eta small enough (eta <= 1/L is safe).
         optimizer, momentum: as for ``Classifier``; theory checks use plain "sgd", momentum 0.
         bias: give the model an intercept (default False, matching the generated data).
         input_shape: the data's (num_features,); required.

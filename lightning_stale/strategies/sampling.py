@@ -9,7 +9,7 @@ import torch
 
 class IndependentBatchSampler:
     """Yields batches of indices drawn uniformly with replacement from a seeded generator of
-    this learner's own, as PAPER.md's setting assumes (xi_{l,j} i.i.d. across learners and
+    this learner's own, as docs/method.md's setting assumes (xi_{l,j} i.i.d. across learners and
     mini-batches). A fast learner simply draws more; nobody waits for a shard to run out.
 
     The epoch ends when ``epoch_over()`` turns true (the server says so), not after a fixed

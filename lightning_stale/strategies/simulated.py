@@ -1,7 +1,7 @@
 """P learners and a parameter server simulated in one process on a virtual clock.
 
 `SimulatedStaleStrategy` runs any of the six variants of Dutta et al., "Slow and Stale Gradients
-Can Win the Race" (AISTATS 2018; PAPER.md) inside an ordinary single-device Lightning fit. Every
+Can Win the Race" (AISTATS 2018; docs/method.md) inside an ordinary single-device Lightning fit. Every
 Lightning training step is one simulated gradient push; see `SimulatedServer` for the engine.
 """
 
@@ -69,7 +69,7 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
             loader's length), flush as the real engine does: pending gradients are dropped
             (counted as "epoch_end"), every learner restarts from the server's parameters and
             work in progress is cancelled. False keeps the learners running across epochs, the
-            stationary process of PAPER.md's runtime analysis.
+            stationary process of docs/method.md's runtime analysis.
         device: torch device; None picks the accelerator's first device.
 
     During fit: ``max_steps`` counts server updates (Lightning's ``global_step`` counts pushes);
@@ -300,7 +300,7 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
                            "replacement (not a DataLoader over a map-style dataset): its batches "
                            "are used in the order it gives them")
             return dataloader
-        # Each push gets an independent uniform draw, as PAPER.md's analysis assumes.
+        # Each push gets an independent uniform draw, as docs/method.md's analysis assumes.
         generator = torch.Generator().manual_seed(self.seed + self._loaders_made)
         self._loaders_made += 1
         sampler = RandomSampler(dataset, replacement=True, num_samples=len(dataset),

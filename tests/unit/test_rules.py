@@ -1,4 +1,4 @@
-"""The six variants' rules, driven with hand-built events (PAPER.md, "The six variants")."""
+"""The six variants' rules, driven with hand-built events (docs/method.md, "The six variants")."""
 
 import random
 

@@ -247,7 +247,7 @@ def test_k_sync_error_floor_falls_as_k_grows():
     dm = ConvexDataModule(num_samples=256, num_features=4, noise=1.0, batch_size=1,
                           condition_number=4.0)
     floor_1, floor_4 = k_sync_error_floor(1, dm), k_sync_error_floor(4, dm)
-    assert floor_4 < 0.5 * floor_1  # PAPER.md: the sync-family floor falls as 1/K
+    assert floor_4 < 0.5 * floor_1  # docs/method.md: the sync-family floor falls as 1/K
 
 
 def test_trace_replay_reproduces_the_delays(tmp_path):

@@ -68,7 +68,7 @@ def test_closed_form_matches_monte_carlo(delay, name, k):
 def test_no_closed_form_with_a_shift_says_so(name, k):
     with pytest.raises(ValueError, match="monte_carlo"):
         expected_iteration_time(name, P, k, SHIFTED, method="closed_form")
-    # auto falls back to Monte Carlo; with D > 0 both stay below E[X_{K:P}] (PAPER.md, general X).
+    # auto falls back to Monte Carlo; with D > 0 both stay below E[X_{K:P}] (docs/method.md, general X).
     simulated = expected_iteration_time(name, P, k, SHIFTED, updates=5000)
     assert 0.5 < simulated < 0.5 + harmonic(4) - harmonic(4 - k)
 

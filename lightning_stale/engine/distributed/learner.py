@@ -50,7 +50,7 @@ class Learner:
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
         delay_is_total: the drawn delay is the mini-batch's whole time X as the server sees it
-            (PAPER.md's compute time): from the server sending the parameters to it receiving
+            (docs/method.md's compute time): from the server sending the parameters to it receiving
             the gradient. The real computation and the learner's measured message latency
             (`MessageLatency`) count toward it. False: the delay is added after the computation.
     """
