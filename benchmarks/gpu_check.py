@@ -53,20 +53,20 @@ def check(name: str, args) -> dict:
     trainer.fit(model, dm)
     if not is_rank_zero():
         return {}
-    server = trainer.strategy._server
+    core = trainer.strategy.core
     stats = trainer.strategy.stats
-    records = server.pop_update_records()
+    records = trainer.strategy.pop_update_records()
     losses = [r.loss for r in records]
     device = next(model.parameters()).device
     return {
         "variant": name, "updates": stats["updates"],
         "default_backend": backends.default, "server_backend": backends.server,
-        "module_device": str(device), "server_device": str(server.state.params[0].device),
+        "module_device": str(device), "server_device": str(core.state.params[0].device),
         "counts_balance": stats["gradients_received"] == stats["gradients_applied"] + stats["gradients_dropped"]
         + stats["gradients_in_flight_at_stop"],
         "loss_first_10": sum(losses[:10]) / max(1, len(losses[:10])),
         "loss_last_10": sum(losses[-10:]) / max(1, len(losses[-10:])),
-        "module_matches_server": all(torch.equal(a, b) for a, b in zip(model.parameters(), server.state.params)),
+        "module_matches_server": all(torch.equal(a, b) for a, b in zip(model.parameters(), core.state.params)),
         "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
     }
 

@@ -35,9 +35,10 @@ from hydra.experimental.callback import Callback
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
-from lightning_stale.analysis.runs import (VARIANT_TITLES, Run, adaptive_rows, convex_problem,
+from lightning_stale.analysis.runs import (Run, adaptive_rows, convex_problem,
                                          find_runs, floor_rows, loss_rows, smoothed, theory_rows,
                                          tradeoff_rows)
+from lightning_stale.method.variants import kind_of
 
 log = logging.getLogger(__name__)
 FIGURES = ("loss_vs_time", "loss_vs_updates", "tradeoff", "theory_vs_measurement", "error_floor",
@@ -161,7 +162,7 @@ def plot_tradeoff(runs: list[Run], tail_fraction: float = 0.2, tolerance: float 
     shown: set[str] = set()
     annotated: set[tuple] = set()
     for run, row in zip([run for run in runs if len(run.losses)], rows):
-        name = VARIANT_TITLES.get(run.variant, run.variant)
+        name = run.title
         axes.scatter(row["time_to_converge_s"], row["error_at_convergence"], s=60,
                      color=run_color(run), marker=MARKERS.get(run.variant, "o"),
                      edgecolors="black", linewidths=0.5,
@@ -229,7 +230,7 @@ def plot_error_floor(runs: list[Run], tail_fraction: float = 0.5) -> Figure | No
     for variant in dict.fromkeys(row["variant"] for row in rows):
         mine = sorted((row for row in rows if row["variant"] == variant), key=lambda r: r["K"])
         ks = np.array([row["K"] for row in mine], dtype=float)
-        title = VARIANT_TITLES.get(variant, variant)
+        title = kind_of(variant).title
         axes.errorbar(ks, [row["measured_floor"] for row in mine],
                       yerr=[row["standard_error"] for row in mine], marker=MARKERS.get(variant),
                       capsize=3, label=f"{title}: measured E[F(w)] - F*")

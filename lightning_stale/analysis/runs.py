@@ -37,11 +37,8 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_stale.method import theory
 from lightning_stale.config import learner_count
 from lightning_stale.delays import Exponential, ShiftedExponential
-from lightning_stale.method.variants import Variant
+from lightning_stale.method.variants import Variant, kind_of
 
-VARIANT_TITLES = {"sync": "Fully sync", "k_sync": "K-sync", "k_batch_sync": "K-batch-sync",
-                  "async": "Async", "k_async": "K-async", "k_batch_async": "K-batch-async"}
-SYNC_FAMILY = ("sync", "k_sync", "k_batch_sync")
 
 
 @dataclass
@@ -92,21 +89,25 @@ class Run:
     def convex(self) -> bool:
         return str(self.config.data.get("_target_", "")).endswith("ConvexDataModule")
 
+    @property
+    def title(self) -> str:
+        """The variant's name in the paper, e.g. "K-batch-sync"."""
+        return kind_of(self.variant).title
+
     def default_label(self) -> str:
-        title = VARIANT_TITLES.get(self.variant, self.variant)
+        title = self.title
         if self.adaptive:
             spec = self.config.engine.strategy.get("adaptive_k")
             interval = spec if isinstance(spec, (int, float)) else (spec or {}).get("interval_s")
             every = f", T0={interval:g} s" if interval is not None else ""
             text = f"{title}, adaptive K from {self.k}{every}"
-        elif self.variant in ("sync", "async"):
+        elif not kind_of(self.variant).k_applies:
             text = f"{title} (K={self.k})"
         else:
             text = f"{title}, K={self.k}"
-            if self.k == self.p and self.variant in ("k_sync", "k_async"):
-                text += " (= fully sync)"
-            elif self.k == 1 and self.variant in ("k_async", "k_batch_async"):
-                text += " (= async)"
+            equivalent = Variant.create(self.variant, self.p, self.k).equivalent()
+            if equivalent is not None:
+                text += f" (= {equivalent.lower()})"
         compensation = self.config.engine.get("strategy", {}).get("staleness_compensation")
         if compensation:
             mode = compensation if isinstance(compensation, str) else compensation.get("mode", "")
@@ -344,7 +345,7 @@ def floor_rows(runs: list[Run], tail_fraction: float = 0.5, min_validations: int
     """
     rows = []
     for run in runs:
-        if (not run.convex or run.adaptive or run.variant not in SYNC_FAMILY
+        if (not run.convex or run.adaptive or not kind_of(run.variant).synchronous
                 or len(run.val_losses) < min_validations):
             continue
         data = convex_problem(run)

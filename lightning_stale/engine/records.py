@@ -1,12 +1,13 @@
 """What an engine reports about each server update, for loggers and plots.
 
-Both engines (the real parameter server and the virtual-clock simulator) keep a queue of
-`UpdateRecord`s that `WallClockLogger` drains through ``strategy.pop_update_records()``.
+The server core (`engine.core`) keeps a queue of `UpdateRecord`s that `WallClockLogger` drains
+through ``strategy.pop_update_records()`` (the `UpdateRecordSource` contract).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -15,9 +16,9 @@ class UpdateRecord:
 
     Attributes:
         update: how many updates the server has applied, this one included (1 for the first).
-        clock: the engine's clock when the update was applied: ``time.monotonic()`` seconds
-            for the real engine, virtual seconds since the start for the simulator
-            (see ``strategy.virtual_clock``).
+        clock: training seconds since the start when the update was applied, pauses at epoch
+            ends excluded: wall seconds for the real engine, virtual seconds for the simulator
+            (see ``virtual_clock``).
         samples: samples in all gradients applied so far, this update included.
         loss: mean training loss reported with the gradients averaged into this update.
         staleness_mean: mean of j - tau(l, j) over the gradients of this update.
@@ -36,3 +37,13 @@ class UpdateRecord:
     num_gradients: int
     k: int
     learners: tuple[int, ...] = ()
+
+
+@runtime_checkable
+class UpdateRecordSource(Protocol):
+    """What a strategy offers the callbacks (`WallClockLogger`): its server's update records
+    since the last call (on global rank 0), and whether their clock is virtual."""
+
+    virtual_clock: bool
+
+    def pop_update_records(self) -> list[UpdateRecord]: ...

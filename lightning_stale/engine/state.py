@@ -1,6 +1,6 @@
-"""The parameter server's authoritative state: parameters, optimizer, schedulers, version.
+"""The parameter server's authoritative state: parameters, optimizer, schedulers.
 
-Both engines own one `ServerState`. It is built from the learner's module and optimizer, so any
+The server core (`engine.core`) owns one `ServerState` where the server applies updates. It is built from the learner's module and optimizer, so any
 torch optimizer works (momentum and Adam moments live here, next to the server's parameters),
 and it applies docs/method.md's update
 
@@ -12,25 +12,11 @@ and its natural extension for other optimizers.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
-
-from lightning_stale.engine.records import UpdateRecord
-
-
-@dataclass
-class PushedGradient:
-    """A gradient the server holds until its update: the flat vector, its mini-batch's loss
-    and size."""
-
-    gradient: Tensor
-    loss: float
-    samples: int
 
 
 class FlatView:
@@ -103,7 +89,7 @@ def _mark_steps_for_schedulers(optimizer: Optimizer) -> None:
 
 
 class ServerState:
-    """Authoritative parameters and optimizer of a parameter server.
+    """Authoritative parameters, optimizer and LR schedulers of a parameter server.
 
     Args:
         module: the learner's module; its trainable parameters are copied (never shared).
@@ -111,12 +97,9 @@ class ServerState:
         schedulers: Lightning ``LRSchedulerConfig``s of that optimizer: the server steps them
             (``interval="step"`` after every ``frequency`` updates, ``"epoch"`` at epoch ends),
             so schedules follow server updates rather than any one learner's steps.
-        clip: a function ``clip(params)`` applied to the averaged gradient before the step, or
-            None.
     """
 
-    def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),
-                 clip: Callable[[list[Tensor]], None] | None = None) -> None:
+    def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = ()) -> None:
         learner_params = trainable_parameters(module)
         self.params = [p.detach().clone() for p in learner_params]
         for p in self.params:
@@ -131,60 +114,36 @@ class ServerState:
         self.schedulers = list(schedulers)
         for config in self.schedulers:
             config.scheduler.optimizer = self.optimizer
-        self.clip = clip
         self.view = FlatView(self.params)
-        self.version = 0
-        self.updates = 0
-        self.samples = 0  # in all gradients applied so far
         self._snapshot: tuple[int, Tensor] | None = None
 
-    def apply(self, gradients: Sequence[Tensor], weights: Sequence[float] | None = None) -> None:
-        """Average the flat gradients (weighted, e.g. for staleness compensation) and step."""
+    def apply(self, gradients: Sequence[Tensor], weights: Sequence[float] | None = None,
+              update_index: int = 0) -> None:
+        """Average the flat gradients (weighted, e.g. for staleness compensation), take one
+        optimizer step, and step the schedulers due after update ``update_index``."""
         if weights is None:
             average = torch.stack(list(gradients)).mean(dim=0)
         else:
             w = torch.tensor(weights, dtype=gradients[0].dtype)
             average = (torch.stack(list(gradients)) * w[:, None]).sum(dim=0) / len(gradients)
         self.view.load_grads(average)
-        if self.clip is not None:
-            self.clip(self.params)
         self.optimizer.step()
-        self.updates += 1
+        self._snapshot = None
         for config in self.schedulers:
-            if config.interval == "step" and self.updates % config.frequency == 0:
+            if config.interval == "step" and update_index % config.frequency == 0:
                 config.scheduler.step()
 
-    def apply_update(self, update, pushed: Sequence[PushedGradient], clock: float, k: int,
-                     compensation=None, params_at=None) -> UpdateRecord:
-        """Apply one `lightning_stale.method.rules.Update` to the gradients it lists, in its order, and
-        describe it. ``compensation`` (a `StalenessCompensation`) weights stale gradients;
-        its "norm" rule reads the parameters each gradient was computed at from ``params_at``."""
-        weights = None
-        if compensation is not None:
-            weights = compensation.weights(update, current_params=self.snapshot(), params_at=params_at,
-                                           lr=self.optimizer.param_groups[0]["lr"])
-        self.apply([p.gradient for p in pushed], weights)
-        self.new_version(update.version)
-        self.samples += sum(p.samples for p in pushed)
-        return UpdateRecord(
-            update=update.index, clock=clock, samples=self.samples,
-            loss=math.fsum(p.loss for p in pushed) / len(pushed),
-            staleness_mean=sum(update.staleness) / len(update.staleness),
-            staleness_max=max(update.staleness), num_gradients=len(pushed), k=k,
-            learners=tuple(g.learner for g in update.gradients))
-
-    def new_version(self, version: int) -> None:
-        self.version = version
-
     def end_epoch(self, epoch: int) -> None:
+        """Epoch ``epoch`` (from 0) ended: step the epoch-interval schedulers that are due."""
         for config in self.schedulers:
             if config.interval == "epoch" and (epoch + 1) % config.frequency == 0:
                 config.scheduler.step()
 
-    def snapshot(self) -> Tensor:
-        """The current parameters as one flat CPU vector, made once per version."""
-        if self._snapshot is None or self._snapshot[0] != self.version:
-            self._snapshot = (self.version, self.view.params_vector())
+    def snapshot(self, version: int) -> Tensor:
+        """The current parameters, which are those of ``version``, as one flat CPU vector; made
+        once per version."""
+        if self._snapshot is None or self._snapshot[0] != version:
+            self._snapshot = (version, self.view.params_vector())
         return self._snapshot[1]
 
     def load_into(self, module_params: Sequence[Tensor]) -> None:
@@ -192,12 +151,9 @@ class ServerState:
             for dst, src in zip(module_params, self.params):
                 dst.copy_(src)
 
-    def state_dict(self) -> dict:
-        return {"version": self.version, "updates": self.updates, "samples": self.samples,
-                "schedulers": [c.scheduler.state_dict() for c in self.schedulers]}
+    def scheduler_states(self) -> list[dict]:
+        return [c.scheduler.state_dict() for c in self.schedulers]
 
-    def load_state_dict(self, state: dict) -> None:
-        self.version, self.updates = state["version"], state["updates"]
-        self.samples = state.get("samples", 0)
-        for config, s in zip(self.schedulers, state.get("schedulers", [])):
+    def load_scheduler_states(self, states: Sequence[dict]) -> None:
+        for config, s in zip(self.schedulers, states):
             config.scheduler.load_state_dict(s)

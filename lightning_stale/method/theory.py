@@ -70,15 +70,16 @@ def closed_form_iteration_time(variant: Variant, delay) -> float:
             f"no closed form for E[T] with the delay model {delay!r}: docs/method.md's formulas assume "
             "exponential or shifted-exponential delays; use method='monte_carlo'"
         )
-    shift, rate, p, k, name = delay.shift, delay.rate, variant.p, variant.k, variant.name
-    if name in ("sync", "k_sync") or (name == "k_async" and k == p):
-        return shift + (harmonic(p) - harmonic(p - k)) / rate
-    if name in ("async", "k_batch_async") or (name == "k_async" and k == 1):
-        return k * (shift + 1.0 / rate) / p
-    if name == "k_batch_sync" and (shift == 0 or k == 1):
-        return shift + k / (p * rate)
-    if name == "k_async" and shift == 0:
-        return (harmonic(p) - harmonic(p - k)) / rate
+    shift, rate, p, k = delay.shift, delay.rate, variant.p, variant.k
+    order_statistic = shift + (harmonic(p) - harmonic(p - k)) / rate  # E[X_{K:P}]
+    if variant.counts == "learners" and (variant.synchronous or k == p):
+        return order_statistic  # every update restarts all P learners
+    if not variant.synchronous and (variant.counts == "batches" or k == 1):
+        return k * (shift + 1.0 / rate) / p  # renewal: every push is accepted
+    if variant.counts == "batches" and (shift == 0 or k == 1):
+        return shift + k / (p * rate)  # K-batch-sync: each push is a minimum of P draws
+    if shift == 0:
+        return order_statistic  # K-async, memoryless
     raise ValueError(
         f"no closed form for E[T] of {variant} with shifted-exponential delays (shift {shift} s): "
         "the shift breaks memorylessness; use method='monte_carlo'"

@@ -13,7 +13,7 @@ import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_stale.engine.records import UpdateRecord
+from lightning_stale.engine.records import UpdateRecord, UpdateRecordSource
 from lightning_stale.strategies.lightning_api import log_dir
 
 # Column order of `rows` and of wallclock.csv.
@@ -47,12 +47,11 @@ class WallClockLogger(Callback):
 
     Two sources of updates:
 
-    1. Parameter-server engines: a strategy with ``pop_update_records()`` returning
-       :class:`~lightning_stale.engine.records.UpdateRecord` s and a ``virtual_clock`` flag. The records
-       are drained on global rank 0 at every training batch end, before each validation and at
-       train end. With ``virtual_clock`` the record's clock is already simulated training seconds
-       and is logged as is; otherwise it is a ``time.monotonic()`` reading, from which the training
-       start and the validation time before that reading are subtracted.
+    1. Parameter-server engines (an `UpdateRecordSource`: ``pop_update_records()`` returning
+       :class:`~lightning_stale.engine.records.UpdateRecord` s, and ``virtual_clock``). The
+       records are drained on global rank 0 at every training batch end, before each validation
+       and at train end. Their clock is the server's training seconds, pauses at epoch ends
+       excluded (virtual seconds with ``virtual_clock``), and is logged as is.
     2. Any other strategy (single device, Lightning's ``ddp``): one row per optimizer step, with
        update = ``trainer.global_step``, samples += batch size x world size for every batch (also
        the accumulated ones), the loss of rank 0's batches of that step, staleness 0 and
@@ -69,10 +68,6 @@ class WallClockLogger(Callback):
         self.rows: list[dict[str, float]] = []
         self._train_start: float | None = None
         self._validation_start: float | None = None
-        # Closed validation intervals (start, end) in monotonic seconds: engine records are
-        # timestamped by the engine and may be drained after a later validation, so each one needs
-        # the validation time before *its own* clock reading, not the current total.
-        self._validation_intervals: list[tuple[float, float]] = []
         self._validation_s = 0.0
         # Stock path state.
         self._last_global_step = 0
@@ -83,7 +78,6 @@ class WallClockLogger(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.rows = []
-        self._validation_intervals = []
         self._validation_s = 0.0
         self._validation_start = None
         self._last_global_step = trainer.global_step
@@ -113,9 +107,7 @@ class WallClockLogger(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._counts_validation(trainer) or self._validation_start is None:
             return
-        end = monotonic()
-        self._validation_intervals.append((self._validation_start, end))
-        self._validation_s += end - self._validation_start
+        self._validation_s += monotonic() - self._validation_start
         self._validation_start = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -155,19 +147,8 @@ class WallClockLogger(Callback):
     def _drain(self, trainer: Trainer) -> None:
         if self._train_start is None:
             return
-        strategy = trainer.strategy
-        virtual = bool(getattr(strategy, "virtual_clock", False))
-        for record in strategy.pop_update_records():
-            train_s = record.clock if virtual else self._real_train_seconds(record.clock)
-            self._add_row(trainer, _record_row(record, train_s, self._validation_s))
-
-    def _real_train_seconds(self, clock: float) -> float:
-        assert self._train_start is not None
-        validation_before = sum(
-            max(0.0, min(end, clock) - max(start, self._train_start))
-            for start, end in self._validation_intervals
-        )
-        return clock - self._train_start - validation_before
+        for record in trainer.strategy.pop_update_records():
+            self._add_row(trainer, _record_row(record, self._validation_s))
 
     def _stock_step(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any) -> None:
         self._samples += _batch_size(batch) * trainer.world_size
@@ -209,13 +190,13 @@ class WallClockLogger(Callback):
 
 
 def _is_engine(strategy: Any) -> bool:
-    return callable(getattr(strategy, "pop_update_records", None))
+    return isinstance(strategy, UpdateRecordSource)
 
 
-def _record_row(record: UpdateRecord, train_s: float, validation_s: float) -> dict[str, float]:
+def _record_row(record: UpdateRecord, validation_s: float) -> dict[str, float]:
     return {
         "update": record.update,
-        "time/train_s": train_s,
+        "time/train_s": record.clock,
         "time/validation_s": validation_s,
         "samples": record.samples,
         "train/loss": record.loss,

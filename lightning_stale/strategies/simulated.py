@@ -1,50 +1,45 @@
 """P learners and a parameter server simulated in one process on a virtual clock.
 
 `SimulatedStaleStrategy` runs any of the six variants of Dutta et al., "Slow and Stale Gradients
-Can Win the Race" (AISTATS 2018; docs/method.md) inside an ordinary single-device Lightning fit. Every
-Lightning training step is one simulated gradient push; see `SimulatedServer` for the engine.
+Can Win the Race" (AISTATS 2018; docs/method.md) inside an ordinary single-device Lightning fit.
+Every Lightning training step is one simulated gradient push; see `SimulatedServer` for the engine.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import pickle
 from typing import Any, Callable
 
 import torch
-from pytorch_lightning import LightningModule, Trainer
+from pytorch_lightning import LightningModule
 from pytorch_lightning.strategies import SingleDeviceStrategy, StrategyRegistry
-from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities import rank_zero_warn
-from pytorch_lightning.utilities.data import _update_dataloader, extract_batch_size
+from pytorch_lightning.utilities.data import extract_batch_size
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
-from lightning_stale.method.adaptive import AdaptiveK
-from lightning_stale.method.compensation import StalenessCompensation
-from lightning_stale.delays import NoDelay, RecordingDelay, TraceRecorder
-from lightning_stale.engine.records import UpdateRecord
+from lightning_stale.delays.models import NoDelay
+from lightning_stale.delays.traces import RecordingDelay, TraceRecorder
+from lightning_stale.engine.core import ServerCore
+from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
 from lightning_stale.method.virtual_clock import Finish
-from lightning_stale.strategies.lightning_api import trace_path
-from lightning_stale.engine.simulated import SimulatedServer
-from lightning_stale.method.variants import Variant, check_k
-
-K_VARIANTS = ("k_sync", "k_batch_sync", "k_async", "k_batch_async")
-CHECKPOINT_KEY = "stale_server"
+from lightning_stale.strategies.base import ServerStrategyMixin
+from lightning_stale.strategies.lightning_api import run_closure, with_sampler
 
 
-class SimulatedStaleStrategy(SingleDeviceStrategy):
+class SimulatedStaleStrategy(ServerStrategyMixin, SingleDeviceStrategy):
     """Distributed SGD with P simulated learners and a parameter server, in one process.
 
     A discrete-event clock (`lightning_stale.method.virtual_clock.VirtualCluster`) decides which learner
     finishes its mini-batch next; its gradient is computed on the parameters it last pulled, on
     the batch Lightning hands to this training step, and `ServerRules` decide updates, drops and
     refreshes exactly as in the real parameter-server engine. Updates are applied by the same
-    `ServerState` as there. One Lightning training step is one simulated push; work that the
+    `ServerCore` as there. One Lightning training step is one simulated push; work that the
     real engine would cancel is never computed. Use ``Trainer(strategy=..., devices=1)``.
 
     Args:
@@ -95,54 +90,28 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
                  **kwargs: Any) -> None:
         super().__init__(device="cpu" if device is None else device, **kwargs)
         self._device_given = device is not None
-        check_k(variant, k)
+        delay = NoDelay() if delay is None else delay
+        self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
+                                  record_trace, seed)
         if isinstance(num_learners, bool) or not isinstance(num_learners, int) or num_learners < 1:
             raise ValueError(f"num_learners must be an integer >= 1, got {num_learners!r}")
-        adaptive = AdaptiveK.create(adaptive_k, k0=Variant.create(variant, num_learners, k).k)
-        if adaptive is not None:
-            if variant not in K_VARIANTS:
-                raise ValueError(f"adaptive_k changes K, so it needs one of "
-                                 f"{', '.join(K_VARIANTS)}; got variant {variant!r}")
-            if k is not None and k != adaptive.k0:
-                raise ValueError(f"k={k} disagrees with adaptive_k's k0={adaptive.k0}; give one")
-            # The run's own schedule: the caller's object stays as it is.
-            adaptive = copy.deepcopy(adaptive)
-            adaptive.limit(num_learners)
-            adaptive.reset()
-            k = adaptive.k0
-        self.variant = Variant.create(variant, num_learners, k)
-        self.delay = NoDelay() if delay is None else delay
-        if not callable(getattr(self.delay, "sample", None)):
-            raise ValueError(f"delay must be a straggler model with sample(learner), got {delay!r}")
-        if hasattr(self.delay, "check_learners"):
-            self.delay.check_learners(num_learners)
         compute_time = float(compute_time)
         if not (compute_time >= 0 and math.isfinite(compute_time)):
             raise ValueError(f"compute_time must be a finite number >= 0, got {compute_time!r}")
-        self.compute_time = compute_time
-        self.adaptive_k = adaptive
-        self.staleness_compensation = StalenessCompensation.create(staleness_compensation)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-        self.seed = seed
-        if record_trace is not None and not isinstance(record_trace, (bool, str, os.PathLike)):
-            raise ValueError(f"record_trace must be None, a bool or a path, got {record_trace!r}")
-        self.record_trace = record_trace
+        self.num_learners, self.compute_time = num_learners, compute_time
+        self.settle_variant(num_learners)  # P is known: every option is checked now
         self.flush_at_epoch_end = bool(flush_at_epoch_end)
         self.trace_recorder: TraceRecorder | None = None
         self.server: SimulatedServer | None = None
-        self._final_stats: dict | None = None
-        self._restored: dict | None = None  # CHECKPOINT_KEY of a checkpoint being resumed
-        self._patches: list[Callable[[], None]] = []  # undone in teardown, last first
         self._retry: Finish | None = None
         self._batch_samples = 0
         self._epoch = 0
         self._loaders_made = 0
-        self._max_updates = -1
 
     @property
-    def num_learners(self) -> int:
-        return self.variant.p
+    @override
+    def core(self) -> ServerCore | None:
+        return self.server.core if self.server is not None else None
 
     # ---------------------------------------------------------------- setup and teardown
     @override
@@ -153,71 +122,41 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
         super().setup_environment()
 
     @override
-    def setup(self, trainer: Trainer) -> None:
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self._check_supported(trainer)
+    def setup(self, trainer) -> None:
         super().setup(trainer)
-        if not fitting:
+        if not self.fitting():
             return
-        if len(self.optimizers) != 1:
-            raise ValueError(f"{type(self).__name__} supports exactly one optimizer (the server "
-                             f"steps it), got {len(self.optimizers)}")
-        # Lightning counts optimizer steps, which are pushes here; the server counts updates.
-        epoch_loop = trainer.fit_loop.epoch_loop
-        self._max_updates = epoch_loop.max_steps
-        epoch_loop.max_steps = -1
-        self._patches.append(lambda: setattr(epoch_loop, "max_steps", self._max_updates))
-
-    def _check_supported(self, trainer: Trainer) -> None:
-        module = self.lightning_module
-        name = type(self).__name__
-        if module is not None and not module.automatic_optimization:
-            raise ValueError(f"{name} needs automatic optimization: each training step is one "
-                             "simulated push whose gradient the server applies")
-        if trainer.accumulate_grad_batches > 1:
-            raise ValueError(f"{name} does not support accumulate_grad_batches="
-                             f"{trainer.accumulate_grad_batches}: one mini-batch is one push; "
-                             "use a larger batch size")
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(f"{name} does not support gradient scaling (16-mixed precision)")
+        self.check_trainer(trainer, [])
+        self._max_updates, self._schedulers = self.take_over_training_loop(trainer)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        module, optimizer = self.lightning_module, self.optimizers[0]
-        configs = list(self.lr_scheduler_configs)
-        if any(config.reduce_on_plateau for config in configs):
-            raise ValueError(f"{type(self).__name__} does not support ReduceLROnPlateau")
-        state = ServerState(module, optimizer, configs)
-        # The server steps the schedulers after its updates; Lightning must not step them too.
-        self.lr_scheduler_configs = []
-        self._patches.append(lambda: setattr(self, "lr_scheduler_configs", configs))
+        module = self.lightning_module
+        state = ServerState(module, self.optimizers[0], self._schedulers)
         self._learner_view = FlatView(trainable_parameters(module))
         self._final_stats = None
         self._retry = None
         self._epoch = module.trainer.current_epoch
-        restored, self._restored = self._restored, None
-        if restored is not None:
-            state.load_state_dict(restored["server"])
-            if restored.get("engine") is not None:
-                self.server = pickle.loads(restored["engine"])
-                self.server.attach(state)
-                self.adaptive_k = self.server.adaptive
-                return
-            rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "
-                           "cannot continue: a new one starts from its parameters")
-            state.new_version(0)  # the new simulation's first version
+        self.settle_variant(self.num_learners)  # a fresh AdaSync schedule for this fit
+        restored, self._resume = self._resume, None
+        if restored is not None and restored.get("engine") is not None:
+            self.server = pickle.loads(restored["engine"])
+            self.server.attach(state)
+            self._adaptive = self.server.core.adaptive
+            return
         delay = self.delay
         if hasattr(delay, "reset"):
             delay.reset()  # the same seed gives the same delays in every fit
         if self.record_trace:
             self.trace_recorder = TraceRecorder()
             delay = RecordingDelay(delay, self.trace_recorder)
-        if self.adaptive_k is not None:
-            self.adaptive_k.reset()
         self.server = SimulatedServer(state, self.variant, delay, self.compute_time,
-                                      self.adaptive_k, self.staleness_compensation)
+                                      self._adaptive, self.staleness_compensation)
+        if restored is not None:
+            rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "
+                           "cannot continue: a new one starts from its parameters")
+            self.server.core.state.load_scheduler_states(restored["core"]["schedulers"])
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -230,8 +169,7 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
             self._epoch = trainer.current_epoch
 
     def _end_epoch(self) -> None:
-        assert self.server is not None
-        self.server.end_epoch(self._epoch, flush=self.flush_at_epoch_end)
+        self.server.end_epoch(flush=self.flush_at_epoch_end)
         if self.flush_at_epoch_end:
             self._retry = None  # the flush restarted that learner with new parameters
 
@@ -250,14 +188,13 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
             self._end_epoch()  # the last epoch ended too (the real engine flushes, then stops)
         self.server.stop()
         self._final_stats = self.server.stats()
-        if self.record_trace and self.trace_recorder is not None:
-            self.trace_recorder.write(trace_path(self.record_trace, self.lightning_module.trainer))
+        if self.trace_recorder is not None:
+            self.write_trace(self.trace_recorder)
 
     @override
     def teardown(self) -> None:
-        while self._patches:
-            self._patches.pop()()
-        self._restored = None
+        self.undo_patches()
+        self._resume = None
         if self.server is not None and self._final_stats is None:
             self._final_stats = self.server.stats()  # fit interrupted before on_train_end
         super().teardown()
@@ -277,8 +214,7 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
         finish = self._retry or server.next_finish()
         self._retry = None
         self._learner_view.load_params(server.parameters_for(finish))
-        # Forward, backward, on_before_optimizer_step hooks and gradient clipping, exactly once.
-        loss = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        loss = run_closure(self.precision_plugin, model, optimizer, closure)
         if loss is None:
             # training_step skipped this batch: the learner tries again with the next one.
             self._retry = finish
@@ -305,60 +241,20 @@ class SimulatedStaleStrategy(SingleDeviceStrategy):
         self._loaders_made += 1
         sampler = RandomSampler(dataset, replacement=True, num_samples=len(dataset),
                                 generator=generator)
-        return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
-
-    # ---------------------------------------------------------------- results
-    def pop_update_records(self) -> list[UpdateRecord]:
-        """The server updates since the last call (``clock`` in virtual seconds)."""
-        return self.server.pop_records() if self.server is not None else []
-
-    @property
-    def stats(self) -> dict:
-        """Counters of `ServerRules.stats` plus ``mean_update_interval_s`` and ``virtual_time_s``
-        (virtual seconds), and ``k_history`` with adaptive K."""
-        if self._final_stats is not None:
-            return dict(self._final_stats)
-        return self.server.stats() if self.server is not None else {}
+        return with_sampler(dataloader, sampler)
 
     # ---------------------------------------------------------------- checkpoints
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state with the server's parameters in place of the learner's."""
-        state_dict = super().lightning_module_state_dict()
-        if self.server is None or self._final_stats is not None:
-            return state_dict  # after fit the module already holds the server's parameters
-        module = self.lightning_module
-        server_params = dict(zip((id(p) for p in trainable_parameters(module)),
-                                 self.server.state.params))
-        tensors = module.state_dict(keep_vars=True)
-        for name, tensor in tensors.items():
-            if id(tensor) in server_params:
-                state_dict[name] = server_params[id(tensor)].detach().clone()
-        return state_dict
+    def server_parameters(self) -> list | None:
+        if self._final_stats is not None:
+            return None  # after fit the module already holds the server's parameters
+        return super().server_parameters()
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.server is not None:
-            return self.server.state.optimizer.state_dict()
-        return super().optimizer_state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
-                        storage_options: Any | None = None) -> None:
-        if self.server is not None:
-            # Plain bytes and dicts: loadable with torch.load(weights_only=True).
-            # A stopped simulation (saved after fit) cannot go on: only its results are kept.
-            engine = None if self.server.rules.stopped else pickle.dumps(self.server)
-            checkpoint[CHECKPOINT_KEY] = {"server": self.server.state.state_dict(),
-                                          "engine": engine, "stats": self.stats}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._restored = checkpoint.get(CHECKPOINT_KEY)
-        return checkpoint
+    def _engine_checkpoint(self) -> dict:
+        # Plain bytes and dicts: loadable with torch.load(weights_only=True).
+        # A stopped simulation (saved after fit) cannot go on: only its results are kept.
+        engine = None if self.server.core.stopped else pickle.dumps(self.server)
+        return {"core": self.server.core.state_dict(), "engine": engine, "stats": self.stats}
 
     # ---------------------------------------------------------------- internals
     def _load_server_parameters(self) -> None:
@@ -373,6 +269,4 @@ def _batch_size(batch: Any) -> int:
         return 0
 
 
-if SimulatedStaleStrategy.strategy_name not in StrategyRegistry:
-    StrategyRegistry.register(SimulatedStaleStrategy.strategy_name, SimulatedStaleStrategy,
-                              description="P learners and a parameter server on a virtual clock")
+SimulatedStaleStrategy.register_strategies(StrategyRegistry)

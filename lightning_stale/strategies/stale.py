@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-import queue
 import logging
 import math
+import queue
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -13,28 +13,28 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.data import extract_batch_size
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_stale.method.adaptive import AdaptiveK
-from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.delays.traces import TraceRecorder
-from lightning_stale.strategies.lightning_api import trace_path
-from lightning_stale.method.rules import ServerRules
+from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.learner import Learner, ServerFailed
-from lightning_stale.engine.distributed.server import ParameterServer, ServerLimits
-from lightning_stale.strategies.sampling import IndependentBatchSampler
-from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
-from lightning_stale.method.variants import VARIANT_NAMES, Variant, check_k
+from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.method.variants import VARIANT_NAMES
+from lightning_stale.strategies.base import ServerStrategyMixin
+from lightning_stale.strategies.lightning_api import replace_sigterm_broadcast, run_closure
+from lightning_stale.strategies.sampling import IndependentBatchSampler
 
 log = logging.getLogger(__name__)
 
 DELAY_MODES = ("after_compute", "total")
 _SERVER_GROUP_TIMEOUT = timedelta(days=7)  # a gloo timeout kills the connection: never hit it
+_DDP_OPTIONS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+                "precision_plugin", "process_group_backend", "timeout", "start_method")
 
 
 class _LocalCollectives(Callback):
@@ -61,7 +61,7 @@ def _raise_on_local_sigterm(trainer) -> None:
         raise SIGTERMException()
 
 
-class StaleStrategy(DDPStrategy):
+class StaleStrategy(ServerStrategyMixin, DDPStrategy):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
 
     The P learners are the Trainer's processes (devices x nodes), launched as for DDP. Global
@@ -108,41 +108,35 @@ class StaleStrategy(DDPStrategy):
                  delay_mode: str = "after_compute", record_trace: bool | str = True,
                  staleness_compensation: Any = None, adaptive_k: Any = None,
                  seed: int = 0, shutdown_timeout: float = 60.0, **ddp_kwargs: Any) -> None:
-        check_k(variant, k)
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
-        known = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-                 "precision_plugin", "process_group_backend", "timeout", "start_method"}
-        unknown = sorted(set(ddp_kwargs) - known)
+        unknown = sorted(set(ddp_kwargs) - set(_DDP_OPTIONS))
         if unknown:
             raise ValueError(f"StaleStrategy got unknown options {unknown}; it does not wrap the model "
-                             f"in DistributedDataParallel, and accepts {sorted(known)}")
-        if adaptive_k is not None:
-            if variant in ("sync", "async"):
-                raise ValueError(f"adaptive_k changes K, so it needs a K-variant, got variant {variant!r}")
-            AdaptiveK.create(adaptive_k, k0=k or 1)  # checks the spec now; K_0 is settled once P is known
+                             f"in DistributedDataParallel, and accepts {sorted(_DDP_OPTIONS)}")
         super().__init__(**ddp_kwargs)
-        self.variant_name, self.k, self.delay, self.delay_mode = variant, k, delay, delay_mode
-        self.record_trace, self.adaptive_k = record_trace, adaptive_k
-        self.staleness_compensation = StalenessCompensation.create(staleness_compensation)
-        self._adaptive: AdaptiveK | None = None
-        self.seed, self.shutdown_timeout = seed, shutdown_timeout
-        self.stats: dict[str, Any] = {}
+        self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
+                                  record_trace, seed)
+        self.delay_mode, self.shutdown_timeout = delay_mode, shutdown_timeout
         self._local_collectives = False
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
-        self._resume_state: dict | None = None
         self._samplers: list[IndependentBatchSampler] = []
         self._pushes_per_epoch = 0
         self._batch_samples = 0
-        self._undo: list[Any] = []
+        self._epoch = 0
 
-    # ------------------------------------------------------------------ validation, early
     @property
     def num_learners(self) -> int:
         return self.num_nodes * self.num_processes
 
+    @property
+    @override
+    def core(self) -> ServerCore | None:
+        return self._server.core if self._server is not None else None
+
+    # ------------------------------------------------------------------ validation, early
     @override
     def _configure_launcher(self) -> None:
         # Runs in the launching process when the Trainer is built: fail before any process starts.
@@ -150,38 +144,8 @@ class StaleStrategy(DDPStrategy):
         if on_cpu and self._process_group_backend == "nccl":
             raise ValueError("process_group_backend='nccl' needs GPUs, but this Trainer runs on CPU: "
                              "use 'gloo' or leave it unset (the server's own traffic is always gloo)")
-        variant = Variant.create(self.variant_name, self.num_learners, self.k)
-        if self.delay is not None and hasattr(self.delay, "check_learners"):
-            self.delay.check_learners(variant.p)
-        if self.adaptive_k is not None:
-            adaptive = copy.deepcopy(AdaptiveK.create(self.adaptive_k, k0=variant.k))
-            if self.k is not None and self.k != adaptive.k0:
-                raise ValueError(f"k={self.k} disagrees with adaptive_k's k0={adaptive.k0}; give one")
-            adaptive.limit(variant.p)
-            self._adaptive, self.k = adaptive, adaptive.k0
+        self.settle_variant(self.num_learners)
         super()._configure_launcher()
-
-    def _check_trainer(self, trainer) -> None:
-        problems = []
-        if trainer.accumulate_grad_batches != 1:
-            problems.append("accumulate_grad_batches must be 1 (the server takes one gradient per push)")
-        if not self.lightning_module.automatic_optimization:
-            problems.append("manual optimization is not supported: use automatic optimization")
-        if len(self.optimizers) != 1:
-            problems.append(f"exactly one optimizer is supported, got {len(self.optimizers)}")
-        if self._layer_sync is not None:
-            problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every forward, "
-                            "which learners at their own pace cannot join")
-        if trainer.val_check_interval != 1.0:
-            problems.append("val_check_interval must be 1.0: validation runs at the server's epoch ends, "
-                            "when all learners are in step (use check_val_every_n_epoch)")
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            problems.append("precision '16-mixed' uses a gradient scaler the server does not run: "
-                            "use '32-true' or 'bf16-mixed'")
-        if any(type(c.scheduler).__name__ == "ReduceLROnPlateau" for c in self.lr_scheduler_configs):
-            problems.append("ReduceLROnPlateau is not supported: the server steps schedulers per update/epoch")
-        if problems:
-            raise ValueError("StaleStrategy cannot run this Trainer: " + "; ".join(problems))
 
     # ------------------------------------------------------------------ setup
     @override
@@ -191,22 +155,24 @@ class StaleStrategy(DDPStrategy):
     @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+        if not self.fitting():
             return
-        self._check_trainer(trainer)
+        problems = []
+        if self._layer_sync is not None:
+            problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every "
+                            "forward, which learners at their own pace cannot join")
+        if trainer.val_check_interval != 1.0:
+            problems.append("val_check_interval must be 1.0: validation runs at the server's epoch ends, "
+                            "when all learners are in step (use check_val_every_n_epoch)")
+        self.check_trainer(trainer, problems)
         self._samplers = []
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
-        loop = trainer.fit_loop.epoch_loop
-        self._max_updates, loop.max_steps = loop.max_steps, -1  # learners stop when the server says
-        self._undo.append(lambda: setattr(loop, "max_steps", self._max_updates))
-        # The server steps the schedulers (per update or per its epochs), not every learner.
-        self._server_schedulers, self.lr_scheduler_configs = self.lr_scheduler_configs, []
-        self._undo.append(lambda: setattr(self, "lr_scheduler_configs", self._server_schedulers))
+        self._max_updates, self._schedulers = self.take_over_training_loop(trainer)
         # Lightning broadcasts a SIGTERM flag on the default group before every training batch,
         # which would put learners in lock-step; each learner checks its own flag instead.
-        loop._broadcast_sigterm_tensor = lambda: _raise_on_local_sigterm(trainer)
-        self._undo.append(lambda: delattr(loop, "_broadcast_sigterm_tensor"))
+        self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop,
+                                                    lambda: _raise_on_local_sigterm(trainer)))
         phase = _LocalCollectives(self)
         trainer.callbacks.insert(0, phase)
         self._undo.append(lambda: trainer.callbacks.remove(phase))
@@ -236,25 +202,26 @@ class StaleStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        p = self.world_size
         view = FlatView(trainable_parameters(self.lightning_module))
-        variant = Variant.create(self.variant_name, p, self.k)
+        variant = self.settle_variant(self.world_size)
+        self._final_stats = None
+        self._epoch = trainer.current_epoch
         if self.global_rank == 0:
-            rules = ServerRules(variant)
-            state = ServerState(self.lightning_module, self.optimizers[0], self._server_schedulers)
+            state = ServerState(self.lightning_module, self.optimizers[0], self._schedulers)
             limits = ServerLimits(max_updates=self._max_updates, pushes_per_epoch=self._pushes_per_epoch,
                                   max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
-            if self._adaptive is not None:
-                self._adaptive.reset()
-            self._server = ParameterServer(rules, state, limits, self.staleness_compensation, self._adaptive)
-            if self._resume_state is not None:
-                self._server.load_state_dict(self._resume_state)
-                self._resume_state = None
-            server_endpoint = ServerEndpoint(self._server_group, p, self._server.events.put, queue.Queue())
-            endpoint = LearnerEndpoint(0, self._server_group, local_server=server_endpoint)
+            core = ServerCore(variant, state, limits, self._adaptive, self.staleness_compensation,
+                              clock=time.monotonic())
+            if self._resume is not None:
+                core.load_state_dict(self._resume)
+                self._resume = None
+            self._server = ParameterServer(core)
+            server_endpoint = ServerEndpoint(self._server_group, variant.p, self._server.events.put,
+                                             queue.Queue(), view.numel)
+            endpoint = LearnerEndpoint(0, self._server_group, view.numel, local_server=server_endpoint)
             self._server.start(server_endpoint)
         else:
-            endpoint = LearnerEndpoint(self.global_rank, self._server_group)
+            endpoint = LearnerEndpoint(self.global_rank, self._server_group, view.numel)
         server = self._server
         learner = self._learner = Learner(endpoint, view, self.delay,
                                           failed=lambda: server.error if server else None,
@@ -268,15 +235,19 @@ class StaleStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._batch_samples = extract_batch_size(batch)
-        if batch_idx == 0:  # the pause at the epoch boundary (validation) is no mini-batch's time
-            self._learner.restart_clock()
+        epoch = self.lightning_module.trainer.current_epoch
+        if epoch > self._epoch:  # the pause at the epoch boundary (validation) is no mini-batch's time
+            self._epoch = epoch
+            self._learner.clock.restart()
+            if self._server is not None:
+                self._server.resume()
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         # The closure runs forward, backward, on_before_optimizer_step and clipping, exactly once.
         # The learner's own optimizer never steps: the server's does.
         model = model if model is not None else self.lightning_module
-        loss = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        loss = run_closure(self.precision_plugin, model, optimizer, closure)
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
         trainer = self.lightning_module.trainer
         self._learner.step(loss_value, self._batch_samples, trainer.current_epoch)
@@ -307,25 +278,18 @@ class StaleStrategy(DDPStrategy):
 
     def _collect_stats(self) -> None:
         server = self._server
-        stats = server.rules.stats()
         reports = server.learner_reports
-        stats["mean_update_interval_s"] = server.mean_update_interval_s
-        stats["computations_cancelled"] = sum(m.samples for m in reports.values())
-        stats["epochs"] = server.epoch
-        if server.adaptive is not None:
-            stats["k_history"] = list(server.adaptive.history)
-        self.stats = stats
-        if self.record_trace:
-            recorder = TraceRecorder()
-            for learner in sorted(reports):
-                payload = reports[learner].payload
-                for value in ([] if payload is None else payload.tolist()):
-                    recorder.record(learner, value)
-            path = trace_path(self.record_trace, self.lightning_module.trainer)
-            self.stats["trace_path"] = str(recorder.write(path))
-
-    def pop_update_records(self) -> list:
-        return self._server.pop_update_records() if self._server is not None else []
+        stats = server.core.stats()
+        stats["computations_cancelled"] = sum(m.cancelled for m in reports.values())
+        recorder = TraceRecorder()
+        for learner in sorted(reports):
+            payload = reports[learner].payload
+            for value in ([] if payload is None else payload.tolist()):
+                recorder.record(learner, value)
+        path = self.write_trace(recorder)
+        if path is not None:
+            stats["trace_path"] = path
+        self._final_stats = stats
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -348,31 +312,29 @@ class StaleStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self._server is not None:  # the server's parameters are the model's
-            with self._server.lock:
-                names = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad]
-                state.update({n: p.detach().clone() for n, p in zip(names, self._server.state.params)})
-        return state
+        if self._server is None:
+            return super().lightning_module_state_dict()
+        with self._server.lock:
+            return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if self._server is not None:
-            with self._server.lock:
-                return self._server.state.optimizer.state_dict()
-        return super().optimizer_state(optimizer)
+        if self._server is None:
+            return super().optimizer_state(optimizer)
+        with self._server.lock:
+            return super().optimizer_state(optimizer)
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
-        if self._server is not None:
-            checkpoint["stale_server"] = self._server.state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def _engine_checkpoint(self) -> dict:
+        return self._server.state_dict()
 
+    @classmethod
     @override
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        self._resume_state = checkpoint.get("stale_server")
-        return checkpoint
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``Trainer(strategy="k_async")`` and the other five variant names."""
+        for name in VARIANT_NAMES:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"parameter server, variant {name}",
+                                           variant=name)
 
     # ------------------------------------------------------------------ teardown
     @override
@@ -387,17 +349,9 @@ class StaleStrategy(DDPStrategy):
                 dist.destroy_process_group(self._server_group)
                 self._server_group = None
         finally:
-            while self._undo:
-                self._undo.pop()()
+            self.undo_patches()
             self._local_collectives = False
             super().teardown()
 
 
-def _register(registry) -> None:
-    for name in VARIANT_NAMES:
-        if name not in registry:
-            registry.register(name, StaleStrategy, description=f"parameter server, variant {name}",
-                              variant=name)
-
-
-_register(StrategyRegistry)
+StaleStrategy.register_strategies(StrategyRegistry)

@@ -143,7 +143,7 @@ def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(tmp
     pushes, bye = run["received"][:2], run["received"][2]
     assert [(m["kind"], m["learner"], m["samples"], m["loss"]) for m in pushes] == [(1, 1, 8, 0.5), (1, 1, 9, 0.25)]
     assert pushes[1]["numel"] > pushes[0]["numel"] and all(m["payload_ok"] for m in pushes)
-    assert (bye["kind"], bye["samples"], bye["numel"], bye["payload"]) == (2, 3, 2, [0.1, 0.2])
+    assert (bye["kind"], bye["cancelled"], bye["numel"], bye["payload"]) == (2, 3, 2, [0.1, 0.2])
     params, stop = run["inbox"]
     assert (params["kind"], params["version"], params["numel"], params["payload_ok"]) == (3, 1, 10, True)
     assert params["pushes"] == 2 and params["hold"] >= 0.2  # the server held push 2 for 0.2 s

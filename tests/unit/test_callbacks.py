@@ -207,21 +207,20 @@ def test_engine_records_become_rows(monkeypatch, virtual_clock):
     module = SimpleNamespace(automatic_optimization=True)
 
     wall.on_train_start(trainer, module)
-    # Virtual clocks are simulated seconds since the start; real ones are monotonic readings.
-    base = 0.0 if virtual_clock else 100.0
-    engine.pending = [record(1, base + 2.0), record(2, base + 4.0)]
+    # Either clock is the server's training seconds (virtual or wall), pauses already excluded.
+    engine.pending = [record(1, 2.0), record(2, 4.0)]
     clock.now = 104.5
     wall.on_train_batch_end(trainer, module, None, None, 0)
     assert [r["update"] for r in wall.rows] == [1, 2]
 
-    engine.pending = [record(3, base + 5.0)]  # applied just before validation
+    engine.pending = [record(3, 5.0)]  # applied just before validation
     clock.now = 106.0
     wall.on_validation_start(trainer, module)
     assert len(wall.rows) == 3  # drained before validation, not left behind
     clock.now = 109.0
     wall.on_validation_end(trainer, module)
 
-    engine.pending = [record(4, base + 12.0)]
+    engine.pending = [record(4, 9.0)]
     clock.now = 112.5
     wall.on_train_end(trainer, module)
 
@@ -231,8 +230,7 @@ def test_engine_records_become_rows(monkeypatch, virtual_clock):
     assert [r["staleness/max"] for r in rows] == [1, 2, 3, 4]
     assert rows[3]["staleness/mean"] == 2.0 and rows[3]["train/loss"] == 0.25 and rows[3]["k"] == 3
     assert [r["time/validation_s"] for r in rows] == [0.0, 0.0, 0.0, 3.0]
-    # The real clock loses the 3 s of validation that happened before update 4.
-    expected_train_s = [2.0, 4.0, 5.0, 12.0] if virtual_clock else [2.0, 4.0, 5.0, 9.0]
+    expected_train_s = [2.0, 4.0, 5.0, 9.0]  # logged as the engine reports it
     assert [r["time/train_s"] for r in rows] == pytest.approx(expected_train_s)
     assert [step for step, _ in logger.calls] == [1, 2, 3, 4]
     assert logger.calls[3][1] == rows[3]
@@ -240,22 +238,6 @@ def test_engine_records_become_rows(monkeypatch, virtual_clock):
         "train_time_s": pytest.approx(expected_train_s[-1]), "validation_time_s": 3.0,
         "updates": 4, "samples": 40, "final_loss": 0.25,
     }
-
-
-def test_engine_record_during_validation_loses_only_the_part_before_it(monkeypatch):
-    clock = FakeClock(0.0)
-    monkeypatch.setattr(callbacks_module, "monotonic", clock)
-    engine, logger = FakeEngine(virtual_clock=False), RecordingLogger()
-    trainer = stub_trainer(engine, logger)
-    wall = WallClockLogger()
-    wall.on_train_start(trainer, None)
-    clock.now = 10.0
-    wall.on_validation_start(trainer, None)
-    clock.now = 14.0
-    wall.on_validation_end(trainer, None)
-    engine.pending = [record(1, 11.0), record(2, 20.0)]  # one applied while validating
-    wall.on_train_batch_end(trainer, None, None, None, 0)
-    assert [r["time/train_s"] for r in wall.rows] == pytest.approx([10.0, 16.0])
 
 
 def test_engine_path_through_real_trainer_hooks(tmp_path):

@@ -13,12 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_stale.method.rules import ServerRules
+from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.learner import Learner, ServerFailed
-from lightning_stale.engine.distributed.server import ParameterServer, ServerLimits
+from lightning_stale.engine.distributed.messages import (HEADER_BYTES, Kind, Message, TransportError,
+                                                         coalesce)
+from lightning_stale.engine.distributed.server import ParameterServer
+from lightning_stale.engine.distributed.transport import (FRAME_BYTES, INLINE_PAYLOAD_BYTES, ServerEndpoint,
+                                                          decode, encode)
 from lightning_stale.engine.state import FlatView, ServerState
-from lightning_stale.engine.distributed.transport import (FRAME_BYTES, HEADER_BYTES, INLINE_PAYLOAD_BYTES, Kind, Message,
-                                              ServerEndpoint, _decode, _encode, coalesce)
 from lightning_stale.method.variants import Variant
 
 
@@ -38,7 +40,7 @@ def make_server(name, k=None, p=4, **limits):
     module = nn.Linear(3, 1, bias=False)
     nn.init.zeros_(module.weight)
     state = ServerState(module, torch.optim.SGD(module.parameters(), lr=1.0))
-    server = ParameterServer(ServerRules(Variant.create(name, p, k)), state, ServerLimits(**limits))
+    server = ParameterServer(ServerCore(Variant.create(name, p, k), state, ServerLimits(**limits)))
     endpoint = RecordingEndpoint()
     server.endpoint = endpoint
     server._broadcast(Kind.PARAMS)
@@ -70,7 +72,7 @@ def test_k_batch_sync_lets_the_pusher_go_on_then_refreshes_everyone():
     push(server, 2, 0)
     assert [l for l, m in endpoint.take() if m.kind == Kind.PARAMS] == [0, 1, 2, 3]
     push(server, 0, 0)  # crossed the cancellation on the wire: dropped, no answer of its own
-    assert endpoint.take() == [] and server.rules.counts.dropped["stale"] == 1
+    assert endpoint.take() == [] and server.core.rules.counts.dropped["stale"] == 1
 
 
 def test_k_batch_async_pusher_hears_continue_when_it_holds_the_current_parameters():
@@ -89,9 +91,9 @@ def test_epoch_ends_with_a_flush_to_everyone():
     push(server, 1, 0)
     sent = endpoint.take()
     assert [(l, m.kind, m.epoch) for l, m in sent] == [(l, Kind.PARAMS, 1) for l in range(4)]
-    assert server.rules.counts.dropped["epoch_end"] == 2 and server.epoch == 1
+    assert server.core.rules.counts.dropped["epoch_end"] == 2 and server.core.epoch == 1
     push(server, 2, 0)  # computed before the epoch ended
-    assert server.rules.counts.dropped["flushed"] == 1
+    assert server.core.rules.counts.dropped["flushed"] == 1
 
 
 def test_max_updates_stops_everyone_and_late_pushes_count_as_in_flight():
@@ -100,7 +102,7 @@ def test_max_updates_stops_everyone_and_late_pushes_count_as_in_flight():
     push(server, 1, 0)
     assert [(l, m.kind) for l, m in endpoint.take()][-4:] == [(l, Kind.STOP) for l in range(4)]
     push(server, 2, 0)
-    stats = server.rules.stats()
+    stats = server.core.rules.stats()
     assert stats["updates"] == 2 and stats["gradients_in_flight_at_stop"] == 1
     assert stats["gradients_received"] == 3 == stats["gradients_applied"] + stats["gradients_in_flight_at_stop"]
 
@@ -199,12 +201,12 @@ def test_a_k_batch_sync_learner_pushes_without_waiting_for_an_answer():
 def test_a_total_delay_counts_the_time_already_spent_on_the_mini_batch():
     learner, endpoint, _ = make_learner(delay=Delay(0.6))
     endpoint.answer = Message(Kind.CONTINUE, version=0)
-    learner.delay_is_total = True
-    learner._cycle_start = time.monotonic() - 0.5  # the computation took 0.5 s of the 0.6 s
+    learner.clock.total = True
+    learner.clock._start = time.monotonic() - 0.5  # the computation took 0.5 s of the 0.6 s
     start = time.monotonic()
     learner.step(loss=0.5, samples=4, local_epoch=0)
     assert time.monotonic() - start < 0.4 and learner.delays == [0.6]
-    learner.delay_is_total = False  # added after the computation: the whole 0.6 s
+    learner.clock.total = False  # added after the computation: the whole 0.6 s
     start = time.monotonic()
     learner.step(loss=0.5, samples=4, local_epoch=0)
     assert time.monotonic() - start >= 0.6
@@ -216,17 +218,17 @@ def test_the_learner_measures_its_message_latency_without_the_servers_hold():
     endpoint.round_trip = (0.004, 0.030)  # 4 ms on the wire, 30 ms waiting at the server
     for _ in range(3):
         learner.step(loss=0.5, samples=4, local_epoch=0)
-    assert learner.latency.mean == pytest.approx(0.004, abs=0.002)
+    assert learner.clock.latency.mean == pytest.approx(0.004, abs=0.002)
     endpoint.inbox.put(Message(Kind.PARAMS, version=1, payload=torch.ones(2), pushes=3, hold=0.0,
                                received_at=time.monotonic() + 5.0))
     learner.step(loss=0.5, samples=4, local_epoch=0)  # a second message for push 3: not a sample
-    assert learner.latency.mean == pytest.approx(0.004, abs=0.002)
+    assert learner.clock.latency.mean == pytest.approx(0.004, abs=0.002)
 
 
 def test_a_total_delay_also_covers_the_measured_message_latency():
     learner, endpoint, _ = make_learner(delay=Delay(0.5))
-    learner.delay_is_total = True
-    learner.latency.observe(0.3)  # the downlink that started this mini-batch and the uplink
+    learner.clock.total = True
+    learner.clock.latency.observe(0.3)  # the downlink that started this mini-batch and the uplink
     endpoint.answer = Message(Kind.CONTINUE, version=0)
     learner.step(loss=0.5, samples=4, local_epoch=0)  # started on w_0: no message ahead of it
     start = time.monotonic()
@@ -271,6 +273,7 @@ def test_close_says_goodbye_with_the_delays_and_waits_for_stop():
     learner.close(timeout=5.0)
     bye = endpoint.pushed[-1]
     assert bye.kind == Kind.BYE and bye.payload.tolist() == [0.0] and learner.stopped
+    assert bye.cancelled == learner.cancelled == 0
 
 
 def test_close_gives_up_with_an_error_instead_of_hanging():
@@ -283,11 +286,11 @@ def test_close_gives_up_with_an_error_instead_of_hanging():
 def test_a_small_message_travels_as_one_frame_that_keeps_every_field():
     message = Message(Kind.PUSH, learner=3, version=12345, epoch=7, samples=64, loss=0.123456789,
                       payload=torch.arange(5, dtype=torch.float64), pushes=9, hold=0.25, age=0.125)
-    frame, separate = _encode(message)
+    frame, separate = encode(message)
     assert separate is None and frame.numel() == HEADER_BYTES + 5 * 8
     received = torch.full((FRAME_BYTES,), 255, dtype=torch.uint8)  # gloo fills only the start
     received[:frame.numel()] = frame
-    decoded, numel, dtype, inline = _decode(received)
+    decoded, numel, dtype, inline = decode(received, "learner 3", 100)
     assert (decoded.kind, decoded.learner, decoded.version, decoded.epoch, decoded.samples) == (Kind.PUSH, 3, 12345, 7, 64)
     assert decoded.loss == 0.123456789 and (decoded.pushes, decoded.hold, decoded.age) == (9, 0.25, 0.125)
     assert (numel, dtype, inline) == (5, torch.float64, True)
@@ -298,15 +301,15 @@ def test_a_small_message_travels_as_one_frame_that_keeps_every_field():
 
 def test_a_large_payload_follows_its_header_without_a_copy():
     payload = torch.zeros(INLINE_PAYLOAD_BYTES // 4 + 1)
-    frame, separate = _encode(Message(Kind.PARAMS, version=2, payload=payload))
+    frame, separate = encode(Message(Kind.PARAMS, version=2, payload=payload))
     assert frame.numel() == HEADER_BYTES and separate.data_ptr() == payload.data_ptr()
-    decoded, numel, dtype, inline = _decode(frame)
+    decoded, numel, dtype, inline = decode(frame, "the server", payload.numel())
     assert (numel, dtype, inline) == (payload.numel(), torch.float32, False) and decoded.payload is None
 
 
 def test_the_server_endpoint_stamps_pushes_received_and_time_held():
     inbox, delivered = queue.Queue(), []
-    endpoint = ServerEndpoint(None, 1, delivered.append, inbox)  # P = 1: no threads, no gloo
+    endpoint = ServerEndpoint(None, 1, delivered.append, inbox, numel=2)  # P = 1: no threads, no gloo
     endpoint.send(0, Message(Kind.PARAMS, version=0))
     assert inbox.get_nowait().pushes == 0
     endpoint.receive_local(Message(Kind.PUSH, learner=0, version=0))
@@ -325,3 +328,24 @@ def test_coalesce_keeps_the_newest_parameters_and_epoch():
     assert (merged.kind, merged.version, merged.epoch, merged.payload.item()) == (Kind.PARAMS, 2, 1, 1.0)
     stop = Message(Kind.STOP, version=3, epoch=1, payload=torch.full((1,), 3.0))
     assert coalesce([p1, stop]) is stop
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    (lambda f: f[:10], "shorter than a header"),
+    (lambda f: torch.cat([torch.zeros(8, dtype=torch.uint8), f[8:]]), "not a lightning_stale message"),
+    (lambda f: _with_field(f, 1, 99), "protocol version 99"),
+    (lambda f: _with_field(f, 2, 42), "unknown kind 42"),
+    (lambda f: _with_field(f, 9, 10**9), "announced a payload of 1000000000 values"),
+    (lambda f: _with_field(f, 10, 17), "unknown dtype code 17"),
+])
+def test_a_frame_that_does_not_parse_is_refused_naming_the_sender(corrupt, match):
+    frame, _ = encode(Message(Kind.PUSH, version=1, payload=torch.ones(3)))
+    with pytest.raises(TransportError, match=match) as error:
+        decode(corrupt(frame.clone()), "learner 2", 100)
+    assert "learner 2" in str(error.value)
+
+
+def _with_field(frame, index, value):
+    """The frame with its header's int64 field number ``index`` set to ``value``."""
+    frame[index * 8:(index + 1) * 8] = torch.tensor([value], dtype=torch.int64).view(torch.uint8)
+    return frame

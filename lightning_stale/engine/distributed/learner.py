@@ -17,7 +17,8 @@ from collections import deque
 import torch
 
 from lightning_stale.engine.state import FlatView
-from lightning_stale.engine.distributed.transport import Kind, LearnerEndpoint, Message
+from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.transport import LearnerEndpoint
 
 
 class ServerFailed(RuntimeError):
@@ -41,6 +42,51 @@ class MessageLatency:
         return sum(self._samples) / len(self._samples) if self._samples else 0.0
 
 
+class MiniBatchClock:
+    """When the current mini-batch's time X began, and how much of a drawn delay is left.
+
+    With ``total`` (``delay_mode="total"``), a drawn delay is the mini-batch's whole time X as
+    the server sees it, from the server event that started the mini-batch to the arrival of its
+    gradient (docs/method.md, "Setting"). The server's processing (a message's ``age``), the
+    downlink, waking up, Lightning's step, forward, backward and the uplink to come all count
+    toward it: the start is the server event, moved back by the message's age and the measured
+    round trip (`MessageLatency`). A learner that goes on right after its own push (K-batch-sync)
+    starts at that push. Without ``total``, the whole draw is added after the computation.
+    """
+
+    def __init__(self, total: bool) -> None:
+        self.total = total
+        self.latency = MessageLatency()
+        self._start = self._last_event = self._pushed_at = time.monotonic()
+        self._pushes = self._timed_pushes = 0
+
+    def restart(self) -> None:
+        """A mini-batch starts now, not on a server message (e.g. after validation)."""
+        self._start = time.monotonic()
+
+    def pushed(self) -> None:
+        self._pushes += 1
+        self._pushed_at = time.monotonic()
+
+    def message(self, message: Message) -> None:
+        """A server message arrived: a round-trip sample if it is the first answer to our latest
+        push, and the instant of its server event on this clock."""
+        if message.pushes == self._pushes > self._timed_pushes:
+            self.latency.observe(message.received_at - self._pushed_at - message.hold)
+            self._timed_pushes = self._pushes
+        self._last_event = (message.received_at or time.monotonic()) - message.age - self.latency.mean
+
+    def next_mini_batch(self, started_by_server: bool) -> None:
+        """The next mini-batch began with the latest server message, or with our own push."""
+        self._start = self._last_event if started_by_server else self._pushed_at
+
+    def remaining(self, seconds: float) -> float:
+        """What is left of a drawn delay of ``seconds`` at this instant."""
+        if not self.total:
+            return seconds
+        return max(0.0, seconds - (time.monotonic() - self._start))
+
+
 class Learner:
     """Args:
         endpoint: this rank's transport.
@@ -49,21 +95,16 @@ class Learner:
         failed: callable returning an error string when the server (on this rank) failed.
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
-        delay_is_total: the drawn delay is the mini-batch's whole time X as the server sees it
-            (docs/method.md's compute time): from the server sending the parameters to it receiving
-            the gradient. The real computation and the learner's measured message latency
-            (`MessageLatency`) count toward it. False: the delay is added after the computation.
+        delay_is_total: the drawn delay is the mini-batch's whole time X (see `MiniBatchClock`);
+            False: the delay is added after the computation.
     """
 
     def __init__(self, endpoint: LearnerEndpoint, view: FlatView, delay=None,
                  failed=lambda: None, waits_for_answer: bool = True,
                  delay_is_total: bool = False) -> None:
         self.endpoint, self.view, self.delay = endpoint, view, delay
-        self.waits_for_answer, self.delay_is_total = waits_for_answer, delay_is_total
-        # When the current mini-batch's time X began, as the server will see it at the push's
-        # arrival (see `_absorb`), or (a learner that goes on without an answer) when it pushed.
-        self._cycle_start = time.monotonic()
-        self._last_event_at = self._cycle_start
+        self.waits_for_answer = waits_for_answer
+        self.clock = MiniBatchClock(delay_is_total)
         self.rank = endpoint.rank
         self._failed = failed
         self.version = -1
@@ -72,9 +113,6 @@ class Learner:
         self.cancelled = 0  # gradients computed and thrown away before their push
         self.delays: list[float] = []
         self.pushes = 0
-        self._pushed_at = 0.0
-        self._timed_pushes = 0  # pushes whose round trip was measured
-        self.latency = MessageLatency()
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, timeout: float | None) -> list[Message]:
@@ -105,14 +143,7 @@ class Learner:
         for m in messages:
             if m.kind == Kind.FAILED:
                 raise ServerFailed(m.error)
-            if m.pushes == self.pushes > self._timed_pushes:  # the first answer to our latest push
-                self.latency.observe(m.received_at - self._pushed_at - m.hold)
-                self._timed_pushes = self.pushes
-            # On this learner's clock: when the server event this message answers happened
-            # (its age is the server's processing), less the round trip (the downlink behind
-            # this message and the uplink ahead of the next push). A mini-batch started by this
-            # message has used (now - this) of its X when its push arrives.
-            self._last_event_at = (m.received_at or time.monotonic()) - m.age - self.latency.mean
+            self.clock.message(m)
             if m.payload is not None and m.version != self.version:
                 self.view.load_params(m.payload)
                 self.version = m.version
@@ -123,19 +154,7 @@ class Learner:
         """Block until the server's first parameters arrive (w_0, or the resumed state)."""
         while self.version < 0 and not self.stopped:
             self._absorb(self._wait(None))
-        self.restart_clock()
-
-    def restart_clock(self) -> None:
-        """A mini-batch starts now, not on a server message (e.g. after validation)."""
-        self._cycle_start = time.monotonic()
-
-    def _remaining_delay(self, seconds: float) -> float:
-        """In total mode, what is left of X after what this mini-batch has already taken: the
-        server's processing and the messages that started it, waking up, Lightning's step,
-        forward and backward, and the uplink to come (see `_absorb`)."""
-        if not self.delay_is_total:
-            return seconds
-        return max(0.0, seconds - (time.monotonic() - self._cycle_start))
+        self.clock.restart()
 
     # ------------------------------------------------------------------ one step
     def epoch_over(self, local_epoch: int) -> bool:
@@ -146,8 +165,8 @@ class Learner:
         started_by_server = True
         try:
             started_by_server = self._step(loss, samples, local_epoch)
-        finally:  # the next mini-batch's X started with the last message, or with our push
-            self._cycle_start = self._last_event_at if started_by_server else self._pushed_at
+        finally:
+            self.clock.next_mini_batch(started_by_server)
 
     def _step(self, loss: float, samples: int, local_epoch: int) -> bool:
         """One mini-batch's push; True when the next mini-batch starts on a server message."""
@@ -158,14 +177,14 @@ class Learner:
         if not interrupt and self.delay is not None:
             seconds = self.delay.sample(self.rank)
             self.delays.append(seconds)
-            interrupt = self._wait(self._remaining_delay(seconds))  # interruptible
+            interrupt = self._wait(self.clock.remaining(seconds))  # interruptible
         if interrupt:
             self.cancelled += 1
             self._absorb(interrupt)
             return True
         gradient = self.view.grads_vector()
         self.pushes += 1
-        self._pushed_at = time.monotonic()
+        self.clock.pushed()
         self.endpoint.push(Message(Kind.PUSH, version=self.version, samples=samples,
                                    loss=loss if math.isfinite(loss) else float("nan"),
                                    payload=gradient))
@@ -178,7 +197,7 @@ class Learner:
     def close(self, timeout: float) -> None:
         """Say goodbye (with the delays drawn), then wait for the server's stop."""
         delays = torch.tensor(self.delays, dtype=torch.float64) if self.delays else None
-        self.endpoint.push(Message(Kind.BYE, version=self.version, samples=self.cancelled,
+        self.endpoint.push(Message(Kind.BYE, version=self.version, cancelled=self.cancelled,
                                    payload=delays))
         deadline = time.monotonic() + timeout
         while not self.stopped:

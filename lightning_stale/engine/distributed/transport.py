@@ -1,18 +1,17 @@
-"""Messages between learners and the parameter server, and how they travel.
+"""How messages travel between learners and the parameter server.
 
 Remote learners talk to the server over point-to-point gloo operations on a dedicated process
-group (PLATFORM-NOTES: separate group, CPU tensors, so a NCCL default group is untouched). A
-message is one frame: a fixed int64 header with the payload behind it when the payload is small
-(up to INLINE_PAYLOAD_BYTES), else the header alone followed by the payload as a second gloo
-message. The receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it. The
-learner on the server's own rank uses in-process queues instead: gloo cannot send to oneself.
+group (PLATFORM-NOTES: a separate group, CPU tensors, so a NCCL default group is untouched). A
+message is one frame: the header (`messages.HEADER`) with the payload behind it when the payload
+is small (up to INLINE_PAYLOAD_BYTES), else the header alone followed by the payload as a second
+gloo message. The receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it.
+The learner on the server's own rank uses in-process queues instead: gloo cannot send to oneself.
 
 Blocking is kept off the decision loop and away from other learners: every remote learner has
 its own receiving thread and its own sender thread (which drains that learner's outbox), so a
-learner frozen in the middle of a message blocks only its own threads. (A single any-source
-receiver would wait for the rest of that message and stall the server; it was also the slowest
-part of a push.) A sender that falls behind sends only the newest message: every message carries
-the complete state a learner needs (parameters, version, epochs ended, stop), see `coalesce`.
+learner frozen in the middle of a message blocks only its own threads. A sender that falls behind
+sends only the newest message: every message carries the complete state a learner needs
+(parameters, version, epochs ended, stop), see `messages.coalesce`.
 """
 
 from __future__ import annotations
@@ -20,123 +19,73 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
-from enum import IntEnum
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_stale.engine.distributed.messages import (HEADER_BYTES, Kind, Message, TransportError,
+                                                         coalesce, decode_header, encode_header)
+
 UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and server->learner
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-HEADER_FIELDS = 12
-HEADER_BYTES = HEADER_FIELDS * 8
 # Payloads up to this size travel inside the header's frame: one gloo message per message
 # instead of two, which halves the latency of a push or an answer for the models where latency,
 # not bandwidth, dominates (the digits MLP is 19 KB). Larger payloads follow their header as a
 # second message, so that they are not copied into a frame.
 INLINE_PAYLOAD_BYTES = 256 * 1024
 FRAME_BYTES = HEADER_BYTES + INLINE_PAYLOAD_BYTES
+# The largest payload a receiver accepts besides the model's own size: a goodbye's delays.
+MAX_REPORT_VALUES = 1 << 26
 
 
-class Kind(IntEnum):
-    PUSH = 1  # learner -> server: a gradient (payload) computed at ``version``
-    BYE = 2  # learner -> server: leaving; payload = the delays it drew
-    PARAMS = 3  # server -> learner: parameters of ``version`` (payload)
-    CONTINUE = 4  # server -> learner: go on with the parameters you hold
-    STOP = 5  # server -> learner: training is over; payload = final parameters
-    FAILED = 6  # local only: the transport broke; ``error`` says how
-
-
-@dataclass
-class Message:
-    kind: Kind
-    learner: int = 0
-    version: int = 0
-    epoch: int = 0  # downlink: epochs the server has ended so far
-    samples: int = 0  # PUSH: mini-batch size; BYE: computations cancelled on the learner
-    loss: float = 0.0
-    payload: Tensor | None = None
-    error: str = ""
-    # Downlink, for the learner's estimate of its message latency (NTP-style, one clock per
-    # side): ``pushes`` received from this learner so far, and ``hold``, the seconds from the
-    # server receiving the latest of them to sending this message.
-    pushes: int = 0
-    hold: float = 0.0
-    # Downlink: seconds from the arrival of the push this message answers (the paper's instant
-    # of the update or cancellation) to sending it: the server's own processing time.
-    age: float = 0.0
-    caused_at: float = 0.0  # local only (server): time.monotonic() of that arrival
-    received_at: float = 0.0  # local only: time.monotonic() when the receiving side got it
-
-
-def coalesce(messages: list[Message]) -> Message:
-    """The one downlink message equivalent to receiving ``messages`` in order: the newest
-    header, with the newest parameters if any message carried parameters."""
-    last = messages[-1]
-    if last.payload is None:
-        with_params = [m for m in messages if m.payload is not None]
-        if with_params:
-            newest = with_params[-1]
-            return replace(last, kind=Kind.PARAMS, payload=newest.payload, version=newest.version)
-    return last
-
-
-def _encode(m: Message) -> tuple[Tensor, Tensor | None]:
+def encode(message: Message) -> tuple[Tensor, Tensor | None]:
     """The frame to send first (header, and the payload if it is small) and the payload to send
     after it, or None."""
-    payload = None if m.payload is None else m.payload.reshape(-1)
+    payload = None if message.payload is None else message.payload.reshape(-1)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
     inline = payload is not None and nbytes <= INLINE_PAYLOAD_BYTES
     frame = torch.empty(HEADER_BYTES + (nbytes if inline else 0), dtype=torch.uint8)
-    header = frame[:HEADER_BYTES].view(torch.int64)
-    header[:] = torch.tensor([m.kind, m.learner, m.version, m.epoch, m.samples, 0,
-                              0 if payload is None else payload.numel(),
-                              0 if payload is None else _DTYPES.index(payload.dtype),
-                              int(inline), m.pushes, 0, 0])
-    header[5:6].view(torch.float64)[0] = m.loss
-    header[10:11].view(torch.float64)[0] = m.hold
-    header[11:12].view(torch.float64)[0] = m.age
+    frame[:HEADER_BYTES] = torch.frombuffer(bytearray(encode_header(message, payload, inline)),
+                                            dtype=torch.uint8)
     if inline:
         frame[HEADER_BYTES:].view(payload.dtype).copy_(payload)
         return frame, None
     return frame, payload
 
 
-def _decode(frame: Tensor) -> tuple[Message, int, torch.dtype, bool]:
+def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, bool]:
     """The message of a received frame, its payload's size and dtype, and whether the payload
     was inside the frame (then it is set on the message, as a copy)."""
-    header = frame[:HEADER_BYTES].view(torch.int64)
-    h = header.tolist()
-    message = Message(Kind(h[0]), h[1], h[2], h[3], h[4], header[5:6].view(torch.float64).item(),
-                      pushes=h[9], hold=header[10:11].view(torch.float64).item(),
-                      age=header[11:12].view(torch.float64).item())
-    numel, dtype, inline = h[6], _DTYPES[h[7]], bool(h[8])
+    message, numel, dtype, inline = decode_header(frame[:HEADER_BYTES].numpy().tobytes(), sender,
+                                                  max_numel)
     if numel and inline:
         nbytes = numel * dtype.itemsize
+        if HEADER_BYTES + nbytes > frame.numel():
+            raise TransportError(f"{sender} announced an inline payload of {nbytes} bytes, larger "
+                                 "than a frame")
         message.payload = frame[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).clone()
     return message, numel, dtype, inline
 
 
 def send(message: Message, dst: int, group, tags: tuple[int, int]) -> None:
-    frame, payload = _encode(message)
+    frame, payload = encode(message)
     dist.send(frame, dst=dst, group=group, tag=tags[0])
     if payload is not None:
         dist.send(payload.contiguous(), dst=dst, group=group, tag=tags[1])
 
 
-def recv(group, tags: tuple[int, int], src: int | None = None,
-         buffer: Tensor | None = None) -> tuple[Message, int]:
-    """One message; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop."""
+def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
+         buffer: Tensor | None = None) -> Message:
+    """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
-    sender = dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
-    message, numel, dtype, inline = _decode(frame)
+    dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
+    message, numel, dtype, inline = decode(frame, sender, max_numel)
     if numel and not inline:
         message.payload = torch.empty(numel, dtype=dtype)
-        dist.recv(message.payload, src=sender, group=group, tag=tags[1])
+        dist.recv(message.payload, src=src, group=group, tag=tags[1])
     message.received_at = time.monotonic()
-    return message, sender
+    return message
 
 
 class ServerEndpoint:
@@ -145,15 +94,17 @@ class ServerEndpoint:
     Args:
         group: the gloo process group of server traffic (None when P = 1).
         num_learners: P; learner l is global rank l, the server runs on rank 0.
-        deliver: called with every message received (from the receiving thread).
+        deliver: called with every message received (from the receiving threads).
         local_inbox: the queue of the learner living on rank 0; it pushes through
             `receive_local`.
+        numel: the size of the model's flat vector (a push's payload).
     """
 
     def __init__(self, group, num_learners: int, deliver: Callable[[Message], None],
-                 local_inbox: queue.Queue) -> None:
+                 local_inbox: queue.Queue, numel: int) -> None:
         self.group, self.num_learners, self.deliver = group, num_learners, deliver
         self.local_inbox = local_inbox
+        self._max_numel = max(numel, MAX_REPORT_VALUES)
         # learner -> (pushes received, time.monotonic() of the latest), for `Message.hold`
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
         self._outboxes = {r: queue.Queue() for r in range(1, num_learners)}
@@ -194,7 +145,8 @@ class ServerEndpoint:
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         try:
             while True:
-                message, _ = recv(self.group, (UP, UP_DATA), src=learner, buffer=buffer)
+                message = recv(self.group, (UP, UP_DATA), learner, f"learner {learner}",
+                               self._max_numel, buffer)
                 message.learner = learner
                 self._received(message)
                 if message.kind == Kind.BYE:
@@ -232,12 +184,13 @@ class LearnerEndpoint:
     Args:
         rank: this learner's global rank.
         group: the gloo group of server traffic.
+        numel: the size of the model's flat vector (a parameter payload).
         local_server: on rank 0 only, the `ServerEndpoint` on this rank (messages go through
             in-process queues: gloo cannot send to oneself).
     """
 
-    def __init__(self, rank: int, group, local_server: ServerEndpoint | None = None) -> None:
-        self.rank, self.group = rank, group
+    def __init__(self, rank: int, group, numel: int, local_server: ServerEndpoint | None = None) -> None:
+        self.rank, self.group, self.numel = rank, group, numel
         self._local_server = local_server
         self.inbox: queue.Queue = local_server.local_inbox if local_server is not None else queue.Queue()
         self._thread = None
@@ -257,7 +210,7 @@ class LearnerEndpoint:
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         try:
             while True:
-                message, _ = recv(self.group, (DOWN, DOWN_DATA), src=0, buffer=buffer)
+                message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self.numel, buffer)
                 self.inbox.put(message)
                 if message.kind == Kind.STOP:
                     return

@@ -33,9 +33,9 @@ class Freezer(pl.Callback):
             threading.Thread(target=self._freeze, args=(trainer,), daemon=True).start()
 
     def _freeze(self, trainer):
-        while trainer.strategy._server is None:  # the strategy starts it after the callbacks' hook
+        while trainer.strategy.core is None:  # the strategy starts it after the callbacks' hook
             time.sleep(0.01)
-        counts = trainer.strategy._server.rules.counts
+        counts = trainer.strategy.core.rules.counts
         pid_file = pid_dir / f"pid_3_{trainer.strategy.variant_name}"
         while counts.updates < 20 or not pid_file.exists():
             time.sleep(0.01)

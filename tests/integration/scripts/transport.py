@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES, Kind, LearnerEndpoint, Message, ServerEndpoint
+from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES, LearnerEndpoint, ServerEndpoint
 
 SMALL = torch.arange(10, dtype=torch.float32)
 LARGE = torch.arange(INLINE_PAYLOAD_BYTES // 4 + 100, dtype=torch.float32)  # just over the frame
@@ -26,6 +27,7 @@ def describe(m: Message) -> dict:
     numel = 0 if m.payload is None else m.payload.numel()
     expected = {SMALL.numel(): SMALL, LARGE.numel(): LARGE}.get(numel)
     return {"kind": int(m.kind), "learner": m.learner, "version": m.version, "samples": m.samples,
+            "cancelled": m.cancelled,
             "loss": m.loss, "pushes": m.pushes, "hold": m.hold, "age": m.age, "numel": numel,
             "payload_ok": expected is not None and torch.equal(m.payload, expected),
             "payload": m.payload.tolist() if 0 < numel <= 10 else None}
@@ -33,7 +35,7 @@ def describe(m: Message) -> dict:
 
 def server(group, out: str) -> None:
     events: queue.Queue = queue.Queue()
-    endpoint = ServerEndpoint(group, 2, events.put, queue.Queue())
+    endpoint = ServerEndpoint(group, 2, events.put, queue.Queue(), numel=LARGE.numel())
     received = [events.get(timeout=60), events.get(timeout=60)]  # two pushes
     time.sleep(HOLD)  # the answer is caused by the first push: its age covers the hold and more
     endpoint.send(1, Message(Kind.PARAMS, version=1, payload=SMALL.clone(), caused_at=received[0].received_at))
@@ -44,14 +46,14 @@ def server(group, out: str) -> None:
 
 
 def learner(group, out: str) -> None:
-    endpoint = LearnerEndpoint(1, group)
+    endpoint = LearnerEndpoint(1, group, numel=LARGE.numel())
     endpoint.push(Message(Kind.PUSH, version=0, samples=8, loss=0.5, payload=SMALL.clone()))
     endpoint.push(Message(Kind.PUSH, version=0, samples=9, loss=0.25, payload=LARGE.clone()))
     sent = time.monotonic()
     first = endpoint.inbox.get(timeout=60)
     round_trip = first.received_at - sent
     inbox = [first]
-    endpoint.push(Message(Kind.BYE, version=1, samples=3, payload=torch.tensor([0.1, 0.2], dtype=torch.float64)))
+    endpoint.push(Message(Kind.BYE, version=1, cancelled=3, payload=torch.tensor([0.1, 0.2], dtype=torch.float64)))
     inbox.append(endpoint.inbox.get(timeout=60))
     with open(out + ".learner", "w") as f:
         json.dump({"inbox": [describe(m) for m in inbox], "round_trip": round_trip,

@@ -30,9 +30,9 @@ for name, k in RUNS:
     trainer.fit(model, dm)
     if trainer.global_rank == 0:
         results[name] = summary(trainer, capture)
-        results[name]["server_lr"] = trainer.strategy._server.state.optimizer.param_groups[0]["lr"]
+        results[name]["server_lr"] = trainer.strategy.core.state.optimizer.param_groups[0]["lr"]
         results[name]["module_matches_server"] = all(
-            torch.equal(a, b) for a, b in zip(model.parameters(), trainer.strategy._server.state.params))
+            torch.equal(a, b) for a, b in zip(model.parameters(), trainer.strategy.core.state.params))
 
 # Beyond the paper: adaptive K with inverse-staleness weights, and the norm-adaptive step.
 for label, options in [("adaptive", dict(variant="k_batch_async", adaptive_k={"k0": 1, "interval_s": 0.15},

@@ -1,0 +1,258 @@
+"""The one parameter server of every engine: the rules decide, the state applies, the core keeps
+the books.
+
+`ServerCore` is fed one event per gradient push (learner, version, loss, samples, and the
+gradient itself where the engine holds gradients) and does everything a parameter server does
+besides moving bytes: it asks `ServerRules` what the push means, keeps accepted gradients until
+their update, applies the update to a `ServerState` (with staleness-compensation weights), writes
+an `UpdateRecord`, lets AdaSync change K, ends epochs and stops at the Trainer's limits, and
+counts. The virtual clock (`engine.simulated`) and the real server (`engine.distributed.server`)
+are this core plus a clock or a transport, so they cannot disagree about the method.
+
+The update is docs/method.md's rule (Dutta et al., AISTATS 2018):
+
+    w_{j+1} = w_j - (eta / K) * sum_{l=1..K} a_l g(w_{tau(l,j)}, xi_{l,j})
+
+with a_l = 1 unless staleness compensation weighs stale gradients (docs/method.md, "Beyond the
+base method"). An engine whose learners apply updates themselves passes no state: the core then
+decides and keeps the books, and the caller applies ``Outcome.update``.
+
+Clock: the core reads the engine's clock (virtual or ``time.monotonic()`` seconds) from each
+event. Time between `pause` and `resume` (validation at an epoch end) is not training time:
+`running_time` excludes it, and so do the update records and ``mean_update_interval_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lightning_stale.engine.records import UpdateRecord
+from lightning_stale.engine.state import ServerState
+from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.compensation import StalenessCompensation
+from lightning_stale.method.rules import Decision, ServerRules, Update
+from lightning_stale.method.variants import Variant
+
+
+@dataclass
+class ServerLimits:
+    """When epochs end and when training stops (the Trainer's settings, in server terms)."""
+
+    max_updates: int = -1  # Trainer(max_steps): server updates; -1 for no limit
+    max_epochs: int = -1  # server epochs; -1 for no limit
+    pushes_per_epoch: int = 0  # mini-batches pushed per epoch; 0: the engine ends epochs itself
+
+
+@dataclass
+class PushedGradient:
+    """An accepted gradient waiting for its update: the flat vector (None where the engine keeps
+    gradients elsewhere), its mini-batch's loss and size."""
+
+    gradient: Tensor | None
+    loss: float
+    samples: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one push led to: the rules' decision, the update applied (if any), whether the push
+    ended an epoch (and the epoch's flush, if any) or training (``stopped``: this push did)."""
+
+    decision: Decision
+    update: Update | None = None
+    record: UpdateRecord | None = None
+    epoch_ended: bool = False
+    stopped: bool = False
+    flush: Decision | None = None
+
+
+class ServerCore:
+    """Decisions, state and books of one run of one variant.
+
+    Args:
+        variant: the variant with K and P.
+        state: the authoritative parameters and optimizer, or None when the engine's learners
+            apply the updates themselves.
+        limits: when epochs end and training stops.
+        adaptive: an `AdaptiveK` schedule (limited to P), or None for a fixed K.
+        compensation: a `StalenessCompensation`, or None.
+        keep_snapshots: keep the flat parameters of every version a learner holds or a pending
+            gradient was computed at (`parameters_at`); the "norm" compensation implies it.
+        clock: the engine's clock at the start of training.
+    """
+
+    def __init__(self, variant: Variant, state: ServerState | None = None,
+                 limits: ServerLimits | None = None, adaptive: AdaptiveK | None = None,
+                 compensation: StalenessCompensation | None = None,
+                 keep_snapshots: bool = False, clock: float = 0.0) -> None:
+        self.rules = ServerRules(variant)
+        self.state = state
+        self.limits = limits or ServerLimits()
+        self.adaptive, self.compensation = adaptive, compensation
+        if adaptive is not None:
+            self.rules.set_k(adaptive.k)
+        needs_parameters = compensation is not None and compensation.needs_parameters
+        if needs_parameters and state is None:
+            raise ValueError(f"staleness compensation {compensation!r} needs the server's parameters")
+        self.keep_snapshots = keep_snapshots or needs_parameters
+        self.epoch = 0  # epochs ended
+        self.samples = 0  # in all gradients applied
+        self._pushes_this_epoch = 0
+        self._pending: dict[int, PushedGradient] = {}  # push id -> accepted, not yet applied
+        self._records: list[UpdateRecord] = []
+        self._snapshots: dict[int, Tensor] = {}
+        self._start = clock
+        self._paused_s = 0.0
+        self._paused_at: float | None = None
+        self._last_update_s = 0.0  # running time of the latest update
+        if self.keep_snapshots:
+            self._snapshots[self.rules.version] = state.snapshot(self.rules.version)
+
+    # ------------------------------------------------------------------ clock
+    def running_time(self, clock: float) -> float:
+        """Training seconds since the start at ``clock``, pauses excluded."""
+        paused = self._paused_s + (clock - self._paused_at if self._paused_at is not None else 0.0)
+        return clock - self._start - paused
+
+    def pause(self, clock: float) -> None:
+        """Training is paused from ``clock`` (validation at an epoch end), until `resume`."""
+        if self._paused_at is None:
+            self._paused_at = clock
+
+    def resume(self, clock: float) -> None:
+        if self._paused_at is not None:
+            self._paused_s += max(0.0, clock - self._paused_at)
+            self._paused_at = None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def version(self) -> int:
+        return self.rules.version
+
+    @property
+    def updates(self) -> int:
+        return self.rules.counts.updates
+
+    @property
+    def stopped(self) -> bool:
+        return self.rules.stopped
+
+    def parameters_at(self, version: int) -> Tensor:
+        """Flat parameters of ``version`` (``keep_snapshots`` only)."""
+        return self._snapshots[version]
+
+    def pop_records(self) -> list[UpdateRecord]:
+        records, self._records = self._records, []
+        return records
+
+    # ------------------------------------------------------------------ events
+    def push(self, learner: int, version: int, clock: float, *, gradient: Tensor | None = None,
+             loss: float = math.nan, samples: int = 0) -> Outcome:
+        """Learner ``learner`` pushed a gradient computed at parameters of ``version``."""
+        if self.rules.stopped:  # arrived after the stop: counted as in flight, nothing else
+            return Outcome(self.rules.on_push(learner, version))
+        decision = self.rules.on_push(learner, version)
+        if decision.accepted:
+            self._pending[decision.push.id] = PushedGradient(gradient, float(loss), int(samples))
+        record = None
+        if decision.update is not None:
+            record = self._apply(decision.update, clock)
+        self._pushes_this_epoch += 1
+        epoch_ended = 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
+        flush = None
+        if epoch_ended:
+            flush = self.end_epoch()
+        elif 0 <= self.limits.max_updates <= self.updates:
+            self.stop()
+        self._forget_unused_snapshots()
+        return Outcome(decision, decision.update, record, epoch_ended, self.rules.stopped, flush)
+
+    def end_epoch(self, flush: bool = True) -> Decision | None:
+        """An epoch ended: step epoch-interval schedulers and, with ``flush``, drop what is
+        pending (counted as "epoch_end") and restart every learner from the current parameters
+        (the returned decision says who is refreshed and cancelled). Stops at the limits."""
+        self.epoch += 1
+        self._pushes_this_epoch = 0
+        if self.state is not None:
+            self.state.end_epoch(self.epoch - 1)
+        decision = None
+        if flush and not self.rules.stopped:
+            decision = self.rules.flush("epoch_end")
+            self._pending.clear()
+            self._snapshot_current()
+            self._forget_unused_snapshots()
+        if 0 <= self.limits.max_epochs <= self.epoch or 0 <= self.limits.max_updates <= self.updates:
+            self.stop()
+        return decision
+
+    def stop(self) -> None:
+        """Training is over: pending gradients and later pushes count as in flight at stop."""
+        self.rules.stop()
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ results
+    def stats(self) -> dict:
+        """The rules' counters, the epochs, the mean running time per update (pauses excluded)
+        and, with AdaSync, the history of K. Every push is in exactly one of applied, dropped,
+        pending or in flight at stop (`ServerRules.accounting_ok`)."""
+        stats = self.rules.stats()
+        updates = stats["updates"]
+        stats["mean_update_interval_s"] = self._last_update_s / updates if updates else math.nan
+        stats["epochs"] = self.epoch
+        stats["samples"] = self.samples
+        if self.adaptive is not None:
+            stats["k_history"] = list(self.adaptive.history)
+        return stats
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to continue (parameters and optimizer are saved by Lightning)."""
+        return {"version": self.rules.version, "updates": self.updates, "epoch": self.epoch,
+                "samples": self.samples,
+                "schedulers": self.state.scheduler_states() if self.state is not None else []}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.rules.resume_at(saved["version"], saved["updates"])
+        self.epoch, self.samples = saved["epoch"], saved.get("samples", 0)
+        if self.state is not None:
+            self.state.load_scheduler_states(saved.get("schedulers", []))
+        self._snapshots.clear()
+        self._snapshot_current()
+
+    # ------------------------------------------------------------------ internals
+    def _apply(self, update: Update, clock: float) -> UpdateRecord:
+        pushed = [self._pending.pop(g.id) for g in update.gradients]
+        if self.state is not None:
+            weights = None
+            if self.compensation is not None:
+                weights = self.compensation.weights(
+                    update, current_params=self.state.snapshot(update.version - 1),
+                    params_at=self._snapshots, lr=self.state.optimizer.param_groups[0]["lr"])
+            self.state.apply([p.gradient for p in pushed], weights, update.index)
+            self._snapshot_current()
+        self.samples += sum(p.samples for p in pushed)
+        self._last_update_s = self.running_time(clock)
+        record = UpdateRecord(
+            update=update.index, clock=self._last_update_s, samples=self.samples,
+            loss=math.fsum(p.loss for p in pushed) / len(pushed),
+            staleness_mean=sum(update.staleness) / len(update.staleness),
+            staleness_max=max(update.staleness), num_gradients=len(pushed), k=self.rules.k,
+            learners=tuple(g.learner for g in update.gradients))
+        self._records.append(record)
+        if self.adaptive is not None:
+            k = self.adaptive.observe(self._last_update_s, record.loss)
+            if k is not None and k != self.rules.k:
+                self.rules.set_k(k)  # between updates: nothing is pending now
+        return record
+
+    def _snapshot_current(self) -> None:
+        if self.keep_snapshots:
+            self._snapshots[self.rules.version] = self.state.snapshot(self.rules.version)
+
+    def _forget_unused_snapshots(self) -> None:
+        if self._snapshots:
+            in_use = self.rules.versions_in_use()
+            for version in [v for v in self._snapshots if v not in in_use]:
+                del self._snapshots[version]

@@ -1,0 +1,133 @@
+"""Messages between learners and the parameter server, and their wire header.
+
+A message is a fixed-size header of named fields (`HEADER`, packed with `struct`) and an optional
+flat tensor payload. The header starts with a magic number and the protocol version, and every
+field is checked when a frame is decoded (`decode_header`): a frame that does not parse ends the
+run with a `TransportError` naming the sender. Nothing received is ever unpickled or executed.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, replace
+from enum import IntEnum
+
+import torch
+from torch import Tensor
+
+MAGIC = 0x5354414C45  # "STALE"
+PROTOCOL = 2
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+# (field, struct format), in wire order; little-endian, no padding.
+HEADER = (
+    ("magic", "q"), ("protocol", "q"), ("kind", "q"), ("learner", "q"), ("version", "q"),
+    ("epoch", "q"), ("samples", "q"), ("cancelled", "q"), ("pushes", "q"),
+    ("numel", "q"), ("dtype", "q"), ("inline", "q"),
+    ("loss", "d"), ("hold", "d"), ("age", "d"),
+)
+_STRUCT = struct.Struct("<" + "".join(fmt for _, fmt in HEADER))
+HEADER_BYTES = _STRUCT.size
+
+
+class TransportError(RuntimeError):
+    """A frame that is not a message of this protocol, or a broken connection."""
+
+
+class Kind(IntEnum):
+    PUSH = 1  # learner -> server: a gradient (payload) computed at ``version``
+    BYE = 2  # learner -> server: leaving; payload = the delays it drew
+    PARAMS = 3  # server -> learner: parameters of ``version`` (payload)
+    CONTINUE = 4  # server -> learner: go on with the parameters you hold
+    STOP = 5  # server -> learner: training is over; payload = final parameters
+    FAILED = 6  # local only: the transport broke; ``error`` says how
+
+
+@dataclass
+class Message:
+    """One message. Wire fields are those of `HEADER` (plus the payload); the rest is local.
+
+    Attributes:
+        kind: what the message is (`Kind`).
+        learner: the learner it comes from (uplink) or goes to (downlink).
+        version: PUSH: the version the gradient was computed at; downlink: the parameters'.
+        epoch: downlink: epochs the server has ended so far.
+        samples: PUSH: the mini-batch size.
+        cancelled: BYE: computations the learner threw away before pushing them.
+        loss: PUSH: the mini-batch's training loss (NaN when unknown).
+        pushes, hold: downlink, for the learner's estimate of its message latency (NTP-style,
+            one clock per side): pushes received from this learner so far, and the seconds from
+            the server receiving the latest of them to sending this message.
+        age: downlink: seconds from the arrival of the push this message answers (the paper's
+            instant of the update or cancellation) to sending it: the server's own time.
+        payload: a flat tensor, or None.
+        error: FAILED: what broke (local only).
+        caused_at: server side: ``time.monotonic()`` of the arrival ``age`` counts from.
+        received_at: ``time.monotonic()`` when the receiving side got it.
+    """
+
+    kind: Kind
+    learner: int = 0
+    version: int = 0
+    epoch: int = 0
+    samples: int = 0
+    cancelled: int = 0
+    loss: float = 0.0
+    pushes: int = 0
+    hold: float = 0.0
+    age: float = 0.0
+    payload: Tensor | None = None
+    error: str = ""
+    caused_at: float = 0.0
+    received_at: float = 0.0
+
+
+def encode_header(message: Message, payload: Tensor | None, inline: bool) -> bytes:
+    fields = {name: getattr(message, name, 0) for name, _ in HEADER}
+    fields.update(magic=MAGIC, protocol=PROTOCOL, kind=int(message.kind),
+                  numel=0 if payload is None else payload.numel(),
+                  dtype=0 if payload is None else DTYPES.index(payload.dtype), inline=int(inline))
+    return _STRUCT.pack(*(fields[name] for name, _ in HEADER))
+
+
+def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, bool]:
+    """The message of a header, its payload's size and dtype, and whether the payload is inline.
+
+    Raises `TransportError` naming ``sender`` for anything that is not a header of this protocol:
+    a short frame, a wrong magic number or protocol version, an unknown kind or dtype, or a
+    payload larger than ``max_numel`` or of negative size."""
+    if len(data) < HEADER_BYTES:
+        raise TransportError(f"{sender} sent a frame of {len(data)} bytes, shorter than a header "
+                             f"({HEADER_BYTES} bytes)")
+    fields = dict(zip((name for name, _ in HEADER), _STRUCT.unpack_from(data)))
+    if fields["magic"] != MAGIC:
+        raise TransportError(f"{sender} sent a frame that is not a lightning_stale message "
+                             f"(magic {fields['magic']:#x})")
+    if fields["protocol"] != PROTOCOL:
+        raise TransportError(f"{sender} speaks protocol version {fields['protocol']}, this process "
+                             f"{PROTOCOL}: run the same lightning_stale version on every node")
+    if fields["kind"] not in Kind.__members__.values() or fields["kind"] == Kind.FAILED:
+        raise TransportError(f"{sender} sent a message of unknown kind {fields['kind']}")
+    if not 0 <= fields["dtype"] < len(DTYPES):
+        raise TransportError(f"{sender} sent a payload of unknown dtype code {fields['dtype']}")
+    if not 0 <= fields["numel"] <= max_numel:
+        raise TransportError(f"{sender} announced a payload of {fields['numel']} values; at most "
+                             f"{max_numel} are expected")
+    if fields["inline"] not in (0, 1) or any(math.isinf(fields[f]) for f in ("hold", "age")):
+        raise TransportError(f"{sender} sent a malformed header {fields}")
+    message = Message(Kind(fields["kind"]), **{name: fields[name] for name in (
+        "learner", "version", "epoch", "samples", "cancelled", "pushes", "loss", "hold", "age")})
+    return message, fields["numel"], DTYPES[fields["dtype"]], bool(fields["inline"])
+
+
+def coalesce(messages: list[Message]) -> Message:
+    """The one downlink message equivalent to receiving ``messages`` in order: the newest
+    header, with the newest parameters if any message carried parameters."""
+    last = messages[-1]
+    if last.payload is None:
+        with_params = [m for m in messages if m.payload is not None]
+        if with_params:
+            newest = with_params[-1]
+            return replace(last, kind=Kind.PARAMS, payload=newest.payload, version=newest.version)
+    return last

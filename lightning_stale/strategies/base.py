@@ -1,0 +1,204 @@
+"""What both strategies share: options, the variant settled once per fit, the trainer checks, the
+takeover of Lightning's step counting and schedulers (undone in ``teardown``), checkpoints, and
+the contract the callbacks read.
+
+A strategy of this package replaces Lightning's optimizer step by a parameter server
+(`lightning_stale.engine.core.ServerCore`). It is a mixin placed before the Lightning strategy it
+extends (`DDPStrategy` for the real engine, `SingleDeviceStrategy` for the virtual clock):
+
+    class StaleStrategy(ServerStrategyMixin, DDPStrategy): ...
+
+The contract for callbacks (`WallClockLogger`): ``pop_update_records()`` returns the server's
+`UpdateRecord`s since the last call (on global rank 0), their ``clock`` is training seconds
+(virtual with ``virtual_clock``), and ``stats`` holds the server's counters.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable
+
+from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_stale.delays.traces import TraceRecorder
+from lightning_stale.engine.core import ServerCore
+from lightning_stale.engine.records import UpdateRecord
+from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.compensation import StalenessCompensation
+from lightning_stale.method.variants import VARIANT_NAMES, Variant, check_k
+from lightning_stale.strategies.lightning_api import trace_path
+
+CHECKPOINT_KEY = "stale_server"  # the server's books in a Lightning checkpoint
+
+
+class ServerStrategyMixin:
+    """Options and Lightning plumbing common to the strategies (see the module docstring).
+
+    Subclasses set ``strategy_name`` and ``virtual_clock``, call `_init_server_options` from
+    their constructor and `settle_variant` once P is known, and provide ``core`` (the
+    `ServerCore` on this rank, or None) and `_engine_checkpoint`.
+    """
+
+    strategy_name = "stale"
+    virtual_clock = False
+
+    def _init_server_options(self, variant: str, k: int | None, delay: Any, adaptive_k: Any,
+                             staleness_compensation: Any, record_trace: Any, seed: int) -> None:
+        check_k(variant, k)
+        if delay is not None and not callable(getattr(delay, "sample", None)):
+            raise ValueError(f"delay must be a straggler model with sample(learner), e.g. from "
+                             f"lightning_stale.delays, or None; got {delay!r}")
+        if adaptive_k is not None:
+            if not Variant.k_applies_to(variant):
+                raise ValueError(f"adaptive_k changes K, so it needs a K-variant "
+                                 f"({', '.join(n for n in VARIANT_NAMES if Variant.k_applies_to(n))}), "
+                                 f"got variant {variant!r}")
+            AdaptiveK.create(adaptive_k, k0=k or 1)  # checks the spec now; K_0 is settled with P
+        if record_trace is not None and not isinstance(record_trace, (bool, str, os.PathLike)):
+            raise ValueError(f"record_trace must be a bool or a path, got {record_trace!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        self.variant_name, self.k, self.delay = variant, k, delay
+        self.adaptive_k = adaptive_k
+        self.staleness_compensation = StalenessCompensation.create(staleness_compensation)
+        self.record_trace, self.seed = record_trace, seed
+        self.variant: Variant | None = None
+        self._adaptive: AdaptiveK | None = None
+        self._final_stats: dict | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._resume: dict | None = None  # CHECKPOINT_KEY of a checkpoint being resumed
+
+    # ------------------------------------------------------------------ the variant
+    def settle_variant(self, p: int) -> Variant:
+        """Validate the variant, K, the delay and AdaSync against P learners; done once per fit.
+        AdaSync gets its own copy of the schedule, so the caller's object stays as it is."""
+        self.variant = Variant.create(self.variant_name, p, self.k)
+        check_learners = getattr(self.delay, "check_learners", None)
+        if check_learners is not None:
+            check_learners(p)
+        self._adaptive = None
+        if self.adaptive_k is not None:
+            adaptive = copy.deepcopy(AdaptiveK.create(self.adaptive_k, k0=self.variant.k))
+            if self.k is not None and self.k != adaptive.k0:
+                raise ValueError(f"k={self.k} disagrees with adaptive_k's k0={adaptive.k0}; give one")
+            adaptive.limit(p)
+            adaptive.reset()
+            self._adaptive = adaptive
+            self.variant = Variant.create(self.variant_name, p, adaptive.k0)
+        return self.variant
+
+    @property
+    def core(self) -> ServerCore | None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ trainer checks
+    def check_trainer(self, trainer: Any, problems: list[str]) -> None:
+        """Refuse, before training, what the server cannot run; ``problems`` holds the
+        subclass's own findings. One error lists them all."""
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            problems.append("manual optimization is not supported: each training step is one "
+                            "gradient push that the server's optimizer applies; use automatic "
+                            "optimization")
+        if len(self.optimizers) != 1:
+            problems.append(f"exactly one optimizer is supported (the server steps it), "
+                            f"got {len(self.optimizers)}")
+        if trainer.accumulate_grad_batches != 1:
+            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not "
+                            "supported: one mini-batch is one push; use a larger batch size")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            problems.append("precision '16-mixed' uses a gradient scaler the server does not run: "
+                            "use '32-true' or 'bf16-mixed'")
+        if any(config.reduce_on_plateau for config in self.lr_scheduler_configs):
+            problems.append("ReduceLROnPlateau is not supported: the server steps schedulers per "
+                            "update or per epoch")
+        if problems:
+            raise ValueError(f"{type(self).__name__} cannot run this Trainer: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------ takeover, undone in teardown
+    def patch(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name = value`` until teardown."""
+        saved = getattr(obj, name)
+        setattr(obj, name, value)
+        self._undo.append(lambda: setattr(obj, name, saved))
+
+    def take_over_training_loop(self, trainer: Any) -> tuple[int, list]:
+        """The server counts updates and steps the schedulers: Lightning's step limit (which
+        counts a learner's pushes) and its scheduler stepping are switched off until teardown.
+        Returns the Trainer's ``max_steps`` (server updates) and the scheduler configs."""
+        epoch_loop = trainer.fit_loop.epoch_loop
+        max_updates, schedulers = epoch_loop.max_steps, list(self.lr_scheduler_configs)
+        self.patch(epoch_loop, "max_steps", -1)
+        self.patch(self, "lr_scheduler_configs", [])
+        return max_updates, schedulers
+
+    def undo_patches(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    # ------------------------------------------------------------------ results
+    @property
+    def stats(self) -> dict:
+        """The server's counters (`ServerCore.stats`) on the rank that hosts it; after fit, those
+        of the fit's end."""
+        if self._final_stats is not None:
+            return dict(self._final_stats)
+        return self.core.stats() if self.core is not None else {}
+
+    def pop_update_records(self) -> list[UpdateRecord]:
+        """Server updates since the last call; ``clock`` is training seconds."""
+        return self.core.pop_records() if self.core is not None else []
+
+    def write_trace(self, recorder: TraceRecorder) -> str | None:
+        """Write the delays drawn where ``record_trace`` says; returns the path."""
+        if not self.record_trace:
+            return None
+        return str(recorder.write(trace_path(self.record_trace, self.lightning_module.trainer)))
+
+    # ------------------------------------------------------------------ checkpoints
+    def server_parameters(self) -> list | None:
+        """The server's copies of the module's trainable parameters, in module order, or None
+        where this rank holds none (or they are already in the module)."""
+        core = self.core
+        return core.state.params if core is not None and core.state is not None else None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state with the server's parameters in place of this learner's."""
+        state_dict = super().lightning_module_state_dict()
+        params = self.server_parameters()
+        if params is not None:
+            trainable = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad]
+            state_dict.update({n: p.detach().clone() for n, p in zip(trainable, params)})
+        return state_dict
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        core = self.core
+        if core is not None and core.state is not None:
+            return core.state.optimizer.state_dict()
+        return super().optimizer_state(optimizer)
+
+    def _engine_checkpoint(self) -> dict:
+        raise NotImplementedError
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        if self.core is not None:
+            checkpoint[CHECKPOINT_KEY] = self._engine_checkpoint()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self._resume = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    def fitting(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's registration hook: ``Trainer(strategy=cls.strategy_name)``."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
