@@ -6,12 +6,8 @@ from lightning_stale.models.least_squares import LeastSquares
 from lightning_stale.models.nets import MLP, LeNet, LinearRegression, LogisticRegression
 from lightning_stale.models.resnet import ResNet
 
-# Alias: the convex problem is a regularised linear regression.
-ConvexRegression = LeastSquares
-
 __all__ = [
     "Classifier",
-    "ConvexRegression",
     "LeNet",
     "LeastSquares",
     "LinearRegression",

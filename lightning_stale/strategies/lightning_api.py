@@ -35,6 +35,21 @@ def replace_sigterm_broadcast(epoch_loop: Any, check: Any) -> Any:
     return lambda: epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 
+def sync_batchnorm_requested(strategy: Any) -> bool:
+    """Whether ``Trainer(sync_batchnorm=True)`` gave the strategy a layer sync (``_layer_sync``)."""
+    return getattr(strategy, "_layer_sync", None) is not None
+
+
+def process_group_backend(strategy: Any) -> str | None:
+    """The backend a DDP-style strategy was asked for (``_process_group_backend``), or None."""
+    return getattr(strategy, "_process_group_backend", None)
+
+
+def set_root_device(strategy: Any, device: Any) -> None:
+    """Point a single-device strategy at ``device`` (``_root_device``)."""
+    strategy._root_device = device
+
+
 def log_dir(trainer: Any) -> str | None:
     """The first logger's folder, as ``trainer.log_dir`` gives it but without its broadcast: this
     runs on rank 0 only, and engine ranks need not be in step with Lightning's collectives."""

@@ -29,7 +29,7 @@ from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.strategies.base import ServerStrategyMixin
-from lightning_stale.strategies.lightning_api import run_closure, with_sampler
+from lightning_stale.strategies.lightning_api import run_closure, set_root_device, with_sampler
 
 
 class SimulatedStaleStrategy(ServerStrategyMixin, SingleDeviceStrategy):
@@ -118,7 +118,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin, SingleDeviceStrategy):
     def setup_environment(self) -> None:
         if not self._device_given and self.accelerator is not None:
             accelerator = self.accelerator
-            self._root_device = accelerator.get_parallel_devices(accelerator.parse_devices(1))[0]
+            set_root_device(self, accelerator.get_parallel_devices(accelerator.parse_devices(1))[0])
         super().setup_environment()
 
     @override

@@ -26,7 +26,8 @@ from lightning_stale.engine.distributed.transport import LearnerEndpoint, Server
 from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
 from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
-from lightning_stale.strategies.lightning_api import replace_sigterm_broadcast, run_closure
+from lightning_stale.strategies.lightning_api import (process_group_backend, replace_sigterm_broadcast,
+                                                     run_closure, sync_batchnorm_requested)
 from lightning_stale.strategies.sampling import IndependentBatchSampler
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class StaleStrategy(ServerStrategyMixin, DDPStrategy):
     def _configure_launcher(self) -> None:
         # Runs in the launching process when the Trainer is built: fail before any process starts.
         on_cpu = all(d.type == "cpu" for d in (self.parallel_devices or []))
-        if on_cpu and self._process_group_backend == "nccl":
+        if on_cpu and process_group_backend(self) == "nccl":
             raise ValueError("process_group_backend='nccl' needs GPUs, but this Trainer runs on CPU: "
                              "use 'gloo' or leave it unset (the server's own traffic is always gloo)")
         self.settle_variant(self.num_learners)
@@ -158,7 +159,7 @@ class StaleStrategy(ServerStrategyMixin, DDPStrategy):
         if not self.fitting():
             return
         problems = []
-        if self._layer_sync is not None:
+        if sync_batchnorm_requested(self):
             problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every "
                             "forward, which learners at their own pace cannot join")
         if trainer.val_check_interval != 1.0:
