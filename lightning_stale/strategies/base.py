@@ -3,10 +3,12 @@ takeover of Lightning's step counting and schedulers (undone in ``teardown``), c
 the contract the callbacks read.
 
 A strategy of this package replaces Lightning's optimizer step by a parameter server
-(`lightning_stale.engine.core.ServerCore`). It is a mixin placed before the Lightning strategy it
-extends (`DDPStrategy` for the real engine, `SingleDeviceStrategy` for the virtual clock):
+(`lightning_stale.engine.core.ServerCore`). It is written once, with no Lightning base class, and
+names the Lightning strategy it extends; `strategies.namespaces` builds it on that class of
+``pytorch_lightning`` or ``lightning.pytorch``, whichever Trainer it meets:
 
-    class StaleStrategy(ServerStrategyMixin, DDPStrategy): ...
+    class StaleStrategy(ServerStrategyMixin):
+        lightning_base = "DDPStrategy"
 
 The contract for callbacks (`WallClockLogger`): ``pop_update_records()`` returns the server's
 `UpdateRecord`s since the last call (on global rank 0), their ``clock`` is training seconds
@@ -28,6 +30,7 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES, Variant, check_k
 from lightning_stale.strategies.lightning_api import trace_path
+from lightning_stale.strategies.namespaces import namespace_of, new_instance
 
 CHECKPOINT_KEY = "stale_server"  # the server's books in a Lightning checkpoint
 
@@ -35,13 +38,20 @@ CHECKPOINT_KEY = "stale_server"  # the server's books in a Lightning checkpoint
 class ServerStrategyMixin:
     """Options and Lightning plumbing common to the strategies (see the module docstring).
 
-    Subclasses set ``strategy_name`` and ``virtual_clock``, call `_init_server_options` from
-    their constructor and `settle_variant` once P is known, and provide ``core`` (the
-    `ServerCore` on this rank, or None) and `_engine_checkpoint`.
+    Subclasses set ``strategy_name``, ``virtual_clock`` and ``lightning_base`` (the name of the
+    Lightning strategy class they extend), call `_init_server_options` from their constructor and
+    `settle_variant` once P is known, and provide ``core`` (the `ServerCore` on this rank, or
+    None) and `_engine_checkpoint`.
     """
 
     strategy_name = "stale"
     virtual_clock = False
+    lightning_namespace: str | None = None  # set on the concrete classes
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if "lightning_base" in cls.__dict__:  # the public class: a concrete or pending instance
+            return new_instance(cls)
+        return super().__new__(cls)
 
     def _init_server_options(self, variant: str, k: int | None, delay: Any, adaptive_k: Any,
                              staleness_compensation: Any, record_trace: Any, seed: int) -> None:
@@ -91,6 +101,13 @@ class ServerStrategyMixin:
     @property
     def core(self) -> ServerCore | None:
         raise NotImplementedError
+
+    def check_namespace(self) -> None:
+        """A concrete instance serves the Trainer of its own namespace only."""
+        found = namespace_of(self.accelerator)
+        if found is not None and found != self.lightning_namespace:
+            raise TypeError(f"this {type(self).__name__} was built for {self.lightning_namespace}, but "
+                            f"the Trainer is {found}'s: create a new strategy object for this Trainer")
 
     # ------------------------------------------------------------------ trainer checks
     def check_trainer(self, trainer: Any, problems: list[str]) -> None:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import math
 import os
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 import torch
 from pytorch_lightning import LightningModule
-from pytorch_lightning.strategies import SingleDeviceStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.data import extract_batch_size
@@ -22,17 +21,20 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
-from lightning_stale.delays.models import NoDelay
+from lightning_stale.delays.models import DelayModel, NoDelay
 from lightning_stale.delays.traces import RecordingDelay, TraceRecorder
 from lightning_stale.engine.core import ServerCore
 from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.lightning_api import run_closure, set_root_device, with_sampler
+from lightning_stale.strategies.namespaces import register_everywhere
 
 
-class SimulatedStaleStrategy(ServerStrategyMixin, SingleDeviceStrategy):
+class SimulatedStaleStrategy(ServerStrategyMixin):
     """Distributed SGD with P simulated learners and a parameter server, in one process.
 
     A discrete-event clock (`lightning_stale.method.virtual_clock.VirtualCluster`) decides which learner
@@ -81,13 +83,16 @@ class SimulatedStaleStrategy(ServerStrategyMixin, SingleDeviceStrategy):
 
     strategy_name = "simulated_stale"
     virtual_clock = True  # UpdateRecord.clock is virtual seconds since the start
+    lightning_base = "SingleDeviceStrategy"
 
-    def __init__(self, variant: str = "k_async", k: int | None = None, delay: Any = None,
-                 num_learners: int = 4, compute_time: float = 0.0, adaptive_k: Any = None,
-                 staleness_compensation: Any = None, seed: int = 0,
-                 record_trace: bool | str | os.PathLike | None = None,
-                 flush_at_epoch_end: bool = True, device: str | torch.device | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, variant: str = "k_async", k: Optional[int] = None,
+                 delay: Optional[DelayModel] = None, num_learners: int = 4,
+                 compute_time: float = 0.0,
+                 adaptive_k: Union[None, float, dict, AdaptiveK] = None,
+                 staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
+                 seed: int = 0, record_trace: Union[None, bool, str, os.PathLike] = None,
+                 flush_at_epoch_end: bool = True,
+                 device: Union[None, str, torch.device] = None, **kwargs: Any) -> None:
         super().__init__(device="cpu" if device is None else device, **kwargs)
         self._device_given = device is not None
         delay = NoDelay() if delay is None else delay
@@ -114,6 +119,11 @@ class SimulatedStaleStrategy(ServerStrategyMixin, SingleDeviceStrategy):
         return self.server.core if self.server is not None else None
 
     # ---------------------------------------------------------------- setup and teardown
+    @override
+    def _configure_launcher(self) -> None:
+        self.check_namespace()
+        super()._configure_launcher()
+
     @override
     def setup_environment(self) -> None:
         if not self._device_given and self.accelerator is not None:
@@ -269,4 +279,4 @@ def _batch_size(batch: Any) -> int:
         return 0
 
 
-SimulatedStaleStrategy.register_strategies(StrategyRegistry)
+register_everywhere(SimulatedStaleStrategy)

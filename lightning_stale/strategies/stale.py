@@ -7,27 +7,30 @@ import math
 import queue
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.utilities.data import extract_batch_size
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_stale.delays.models import DelayModel
 from lightning_stale.delays.traces import TraceRecorder
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.learner import Learner, ServerFailed
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
 from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.lightning_api import (process_group_backend, replace_sigterm_broadcast,
                                                      run_closure, sync_batchnorm_requested)
+from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.sampling import IndependentBatchSampler
 
 log = logging.getLogger(__name__)
@@ -62,7 +65,7 @@ def _raise_on_local_sigterm(trainer) -> None:
         raise SIGTERMException()
 
 
-class StaleStrategy(ServerStrategyMixin, DDPStrategy):
+class StaleStrategy(ServerStrategyMixin):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
 
     The P learners are the Trainer's processes (devices x nodes), launched as for DDP. Global
@@ -104,11 +107,14 @@ class StaleStrategy(ServerStrategyMixin, DDPStrategy):
 
     strategy_name = "stale"
     virtual_clock = False
+    lightning_base = "DDPStrategy"
 
-    def __init__(self, variant: str = "k_async", k: int | None = None, delay: Any = None, *,
-                 delay_mode: str = "after_compute", record_trace: bool | str = True,
-                 staleness_compensation: Any = None, adaptive_k: Any = None,
-                 seed: int = 0, shutdown_timeout: float = 60.0, **ddp_kwargs: Any) -> None:
+    def __init__(self, variant: str = "k_async", k: Optional[int] = None,
+                 delay: Optional[DelayModel] = None, *, delay_mode: str = "after_compute",
+                 record_trace: Union[bool, str] = True,
+                 staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
+                 adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
+                 shutdown_timeout: float = 60.0, **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
         unknown = sorted(set(ddp_kwargs) - set(_DDP_OPTIONS))
@@ -141,6 +147,7 @@ class StaleStrategy(ServerStrategyMixin, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Runs in the launching process when the Trainer is built: fail before any process starts.
+        self.check_namespace()
         on_cpu = all(d.type == "cpu" for d in (self.parallel_devices or []))
         if on_cpu and process_group_backend(self) == "nccl":
             raise ValueError("process_group_backend='nccl' needs GPUs, but this Trainer runs on CPU: "
@@ -355,4 +362,4 @@ class StaleStrategy(ServerStrategyMixin, DDPStrategy):
             super().teardown()
 
 
-StaleStrategy.register_strategies(StrategyRegistry)
+register_everywhere(StaleStrategy)
