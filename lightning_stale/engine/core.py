@@ -5,8 +5,8 @@ the books.
 gradient itself where the engine holds gradients) and does everything a parameter server does
 besides moving bytes: it asks `ServerRules` what the push means, keeps accepted gradients until
 their update, applies the update to a `ServerState` (with staleness-compensation weights), writes
-an `UpdateRecord`, lets AdaSync change K, ends epochs and stops at the Trainer's limits, and
-counts. The virtual clock (`engine.simulated`) and the real server (`engine.distributed.server`)
+an `UpdateRecord`, lets AdaSync change K, ends epochs and stops at the Trainer's limits, removes
+learners that died, and counts. The virtual clock (`engine.simulated`) and the real server (`engine.distributed.server`)
 are this core plus a clock or a transport, so they cannot disagree about the method.
 
 The update is docs/method.md's rule (Dutta et al., AISTATS 2018):
@@ -17,20 +17,24 @@ with a_l = 1 unless staleness compensation weighs stale gradients (docs/method.m
 base method"). An engine whose learners apply updates themselves passes no state: the core then
 decides and keeps the books, and the caller applies ``Outcome.update``.
 
-Clock: the core reads the engine's clock (virtual or ``time.monotonic()`` seconds) from each
-event. Time between `pause` and `resume` (validation at an epoch end) is not training time:
-`running_time` excludes it, and so do the update records and ``mean_update_interval_s``.
+Epochs: an epoch ends after one pass worth of pushes (all learners together). It is a pause,
+not a restart (docs/method.md, "Setting": the paper's process has no epochs): nothing pending is
+dropped, no learner is cancelled or refreshed, and work in flight carries into the next epoch.
+The engine pauses the clock at the epoch's end and calls `begin_epoch` when training goes on;
+the time between (validation, checkpoints) is not training time: `running_time` excludes it, and
+so do the update records and ``mean_update_interval_s``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 from torch import Tensor
 
 from lightning_stale.engine.records import UpdateRecord
-from lightning_stale.engine.state import ServerState
+from lightning_stale.engine.state import Contribution, ServerState
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.rules import Decision, ServerRules, Update
@@ -48,25 +52,24 @@ class ServerLimits:
 
 @dataclass
 class PushedGradient:
-    """An accepted gradient waiting for its update: the flat vector (None where the engine keeps
-    gradients elsewhere), its mini-batch's loss and size."""
+    """An accepted gradient waiting for its update: what the server applies (None where the
+    engine keeps gradients elsewhere), its mini-batch's loss and size."""
 
-    gradient: Tensor | None
+    contribution: Contribution | None
     loss: float
     samples: int
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one push led to: the rules' decision, the update applied (if any), whether the push
-    ended an epoch (and the epoch's flush, if any) or training (``stopped``: this push did)."""
+    """What one event led to: the rules' decision, the update applied (if any), whether it ended
+    an epoch or training (``stopped``: this event did)."""
 
     decision: Decision
     update: Update | None = None
     record: UpdateRecord | None = None
     epoch_ended: bool = False
     stopped: bool = False
-    flush: Decision | None = None
 
 
 class ServerCore:
@@ -149,44 +152,57 @@ class ServerCore:
         return records
 
     # ------------------------------------------------------------------ events
-    def push(self, learner: int, version: int, clock: float, *, gradient: Tensor | None = None,
-             loss: float = math.nan, samples: int = 0) -> Outcome:
-        """Learner ``learner`` pushed a gradient computed at parameters of ``version``."""
+    def push(self, learner: int, version: int, clock: float, *,
+             contribution: Contribution | None = None, loss: float = math.nan, samples: int = 0,
+             unusable: str | None = None) -> Outcome:
+        """Learner ``learner`` pushed a gradient computed at parameters of ``version``;
+        ``unusable`` names why the push carries no usable gradient (e.g. "overflow")."""
         if self.rules.stopped:  # arrived after the stop: counted as in flight, nothing else
             return Outcome(self.rules.on_push(learner, version))
-        decision = self.rules.on_push(learner, version)
+        decision = self.rules.on_push(learner, version, unusable)
         if decision.accepted:
-            self._pending[decision.push.id] = PushedGradient(gradient, float(loss), int(samples))
+            self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
         record = None
         if decision.update is not None:
             record = self._apply(decision.update, clock)
         self._pushes_this_epoch += 1
         epoch_ended = 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
-        flush = None
         if epoch_ended:
-            flush = self.end_epoch()
+            self.end_epoch()
         elif 0 <= self.limits.max_updates <= self.updates:
             self.stop()
         self._forget_unused_snapshots()
-        return Outcome(decision, decision.update, record, epoch_ended, self.rules.stopped, flush)
+        return Outcome(decision, decision.update, record, epoch_ended, self.rules.stopped)
 
-    def end_epoch(self, flush: bool = True) -> Decision | None:
-        """An epoch ended: step epoch-interval schedulers and, with ``flush``, drop what is
-        pending (counted as "epoch_end") and restart every learner from the current parameters
-        (the returned decision says who is refreshed and cancelled). Stops at the limits."""
+    def remove_learner(self, learner: int, clock: float) -> Outcome:
+        """Learner ``learner`` died: K is clamped to the learners left, which may complete an
+        update now (see `ServerRules.remove_learner`)."""
+        decision = self.rules.remove_learner(learner)
+        record = self._apply(decision.update, clock) if decision.update is not None else None
+        if 0 <= self.limits.max_updates <= self.updates:
+            self.stop()
+        self._forget_unused_snapshots()
+        return Outcome(decision, decision.update, record, stopped=self.rules.stopped)
+
+    def end_epoch(self) -> None:
+        """An epoch ended; training stops if that was the last epoch or update."""
         self.epoch += 1
         self._pushes_this_epoch = 0
-        if self.state is not None:
-            self.state.end_epoch(self.epoch - 1)
-        decision = None
-        if flush and not self.rules.stopped:
-            decision = self.rules.flush("epoch_end")
-            self._pending.clear()
-            self._snapshot_current()
-            self._forget_unused_snapshots()
         if 0 <= self.limits.max_epochs <= self.epoch or 0 <= self.limits.max_updates <= self.updates:
             self.stop()
-        return decision
+
+    def begin_epoch(self, clock: float, metrics: Mapping[str, float] | None = None) -> None:
+        """Training goes on after an epoch's end: the clock resumes, and the epoch-interval
+        schedulers of the epoch that ended are stepped (after its validation, as Lightning
+        does: ``metrics`` are the logged values a ReduceLROnPlateau may monitor)."""
+        self.resume(clock)
+        if self.state is not None and self.epoch > 0:
+            self.state.end_epoch(self.epoch - 1, metrics or {})
+
+    def report_metrics(self, metrics: Mapping[str, float]) -> None:
+        """The latest logged values, for plateau schedulers stepped per update."""
+        if self.state is not None:
+            self.state.metrics.update(metrics)
 
     def stop(self) -> None:
         """Training is over: pending gradients and later pushes count as in flight at stop."""
@@ -227,10 +243,12 @@ class ServerCore:
         if self.state is not None:
             weights = None
             if self.compensation is not None:
+                numel = self.state.vectors.numel  # the parameters, without the buffers
                 weights = self.compensation.weights(
-                    update, current_params=self.state.snapshot(update.version - 1),
-                    params_at=self._snapshots, lr=self.state.optimizer.param_groups[0]["lr"])
-            self.state.apply([p.gradient for p in pushed], weights, update.index)
+                    update, current_params=self.state.snapshot(update.version - 1)[:numel],
+                    params_at=lambda v: self._snapshots[v][:numel],
+                    lr=self.state.optimizer.param_groups[0]["lr"])
+            self.state.apply([p.contribution for p in pushed], weights, update.index)
             self._snapshot_current()
         self.samples += sum(p.samples for p in pushed)
         self._last_update_s = self.running_time(clock)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_stale.engine.core import Outcome, ServerCore, ServerLimits
-from lightning_stale.engine.state import ServerState
+from lightning_stale.engine.state import Contribution, ServerState
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
@@ -62,19 +62,20 @@ class SimulatedServer:
         """Flat parameters (CPU) of the version the finishing learner computed at."""
         return self.core.parameters_at(finish.version)
 
-    def push(self, finish: Finish, gradient: Tensor, loss: float, samples: int) -> Outcome:
-        """The learner of ``finish`` pushes ``gradient`` (flat) with its mini-batch loss."""
+    def push(self, finish: Finish, contribution: Contribution | None, loss: float, samples: int,
+             unusable: str | None = None) -> Outcome:
+        """The learner of ``finish`` pushes its gradient with its mini-batch loss."""
         outcome = self.core.push(finish.learner, finish.version, self.cluster.now,
-                                 gradient=gradient, loss=loss, samples=samples)
+                                 contribution=contribution, loss=loss, samples=samples,
+                                 unusable=unusable)
         self.cluster.apply(outcome.decision)
         return outcome
 
-    def end_epoch(self, flush: bool = True) -> None:
-        """An epoch ended; with ``flush`` work in progress is cancelled and every learner
-        restarts from the current parameters, as the real engine does (see `ServerCore.end_epoch`)."""
-        decision = self.core.end_epoch(flush)
-        if decision is not None:
-            self.cluster.apply(decision)
+    def end_epoch(self, metrics=None) -> None:
+        """An epoch ended and its validation ran. A pause, not a restart: the virtual clock
+        simply does not run while Lightning validates, and work in flight carries on."""
+        self.core.end_epoch()
+        self.core.begin_epoch(self.cluster.now, metrics)
 
     def stop(self) -> None:
         self.core.stop()

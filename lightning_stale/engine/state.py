@@ -1,79 +1,148 @@
-"""The parameter server's authoritative state: parameters, optimizer, schedulers.
+"""The parameter server's authoritative state, and the flat vectors learners exchange with it.
 
-The server core (`engine.core`) owns one `ServerState` where the server applies updates. It is built from the learner's module and optimizer, so any
-torch optimizer works (momentum and Adam moments live here, next to the server's parameters),
-and it applies docs/method.md's update
+`ModelVectors` lays a module out as flat vectors: the trainable parameters (those that require a
+gradient when training starts) followed by the persistent buffers (BatchNorm statistics and the
+like), so that buffers travel with the parameters they belong to. A push carries the gradients,
+the learner's buffers and, only when some parameter got no gradient, a presence mask.
 
-    w_{j+1} = w_j - (eta / K) * sum_{l=1..K} g(w_{tau(l,j)}, xi_{l,j})
+`ServerState` owns the server's copies and applies docs/method.md's update
 
-as "average the K gradients, then one optimizer step", which is exactly that rule for plain SGD
-and its natural extension for other optimizers.
+    w_{j+1} = w_j - (eta / K) * sum_{l=1..K} a_l g(w_{tau(l,j)}, xi_{l,j})
+
+as "average the K gradients, then one step of the module's own optimizer". A parameter that no
+gradient of the update touched keeps ``grad = None``, so the optimizer leaves it alone exactly as
+under DDP (frozen layers, an unused head under weight decay). Buffers are the mean of the
+buffers pushed with the update's gradients (integer buffers: the largest), the server's choice
+documented in the README: every learner's statistics count, and learners that load the server's
+parameters load its buffers too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 
-class FlatView:
-    """Copies between a module's parameters (or their gradients) and one flat vector."""
+@dataclass
+class Contribution:
+    """One pushed mini-batch as the server keeps it until its update: the flat gradient, the
+    learner's buffers and which parameters had a gradient (None: all of them)."""
 
-    def __init__(self, params: Sequence[Tensor]) -> None:
-        self.params = list(params)
+    gradient: Tensor
+    buffers: Tensor | None = None
+    present: Tensor | None = None  # bool, one per parameter tensor
+
+
+class ModelVectors:
+    """Copies between a module and flat vectors (see the module docstring).
+
+    Args:
+        params: the trainable parameters, in module order.
+        buffers: the persistent buffers, in module order (empty: buffers do not travel).
+    """
+
+    def __init__(self, params: Sequence[Tensor], buffers: Sequence[Tensor] = ()) -> None:
+        self.params, self.buffers = list(params), list(buffers)
         self.numel = sum(p.numel() for p in self.params)
+        self.buffer_numel = sum(b.numel() for b in self.buffers)
         self.dtype = torch.float32
-        for p in self.params:
-            self.dtype = torch.promote_types(self.dtype, p.dtype)
+        for t in self.params + [b for b in self.buffers if b.is_floating_point()]:
+            self.dtype = torch.promote_types(self.dtype, t.dtype)
+        self._param_sizes = [p.numel() for p in self.params]
+        self._buffer_sizes = [b.numel() for b in self.buffers]
 
-    def flatten(self, tensors: Sequence[Tensor | None]) -> Tensor:
-        """One contiguous CPU vector; a missing gradient (unused parameter) is zeros."""
-        parts = [torch.zeros(p.numel(), dtype=self.dtype, device=p.device) if t is None
-                 else t.detach().reshape(-1).to(self.dtype) for p, t in zip(self.params, tensors)]
-        return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=self.dtype)
+    @classmethod
+    def of(cls, module: nn.Module, buffers: bool = True) -> ModelVectors:
+        """The trainable parameters of ``module`` and, with ``buffers``, its persistent buffers."""
+        persistent = module.state_dict(keep_vars=True)
+        chosen = [b for name, b in module.named_buffers() if name in persistent] if buffers else []
+        return cls([p for p in module.parameters() if p.requires_grad], chosen)
 
-    def params_vector(self) -> Tensor:
-        return self.flatten(self.params)
+    @property
+    def state_numel(self) -> int:
+        """Size of a parameters-and-buffers vector (what the server sends)."""
+        return self.numel + self.buffer_numel
 
-    def grads_vector(self) -> Tensor:
-        return self.flatten([p.grad for p in self.params])
+    def max_push_numel(self) -> int:
+        """Size of the largest push: gradients, buffers and a presence mask."""
+        return self.state_numel + len(self.params)
 
-    def load_params(self, flat: Tensor) -> None:
+    # ------------------------------------------------------------------ learner side
+    def state_vector(self) -> Tensor:
+        """Parameters then buffers, one contiguous CPU vector."""
+        return self._flatten(self.params + self.buffers)
+
+    def load_state(self, flat: Tensor) -> None:
+        """Load a `state_vector` into the module's parameters and buffers."""
+        parts = self._split(flat, self._param_sizes + self._buffer_sizes, self.state_numel)
         with torch.no_grad():
-            for p, part in zip(self.params, self._split(flat)):
-                p.copy_(part.view_as(p), non_blocking=True)
+            for dst, part in zip(self.params + self.buffers, parts):
+                src = part.view_as(dst)
+                dst.copy_(src.round() if not dst.is_floating_point() else src, non_blocking=True)
 
-    def load_grads(self, flat: Tensor) -> None:
-        for p, part in zip(self.params, self._split(flat)):
-            part = part.view_as(p).to(device=p.device, dtype=p.dtype)
-            if p.grad is None:
-                p.grad = part.clone()
-            else:
-                p.grad.copy_(part)
+    def push_vector(self) -> tuple[Tensor, bool]:
+        """Gradients (zeros where missing), buffers and, if some gradient is missing, a presence
+        mask; and whether the mask is there."""
+        grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                 for p in self.params]
+        missing = any(g is None for g in grads)
+        parts: list[Tensor] = [torch.zeros(p.numel(), dtype=self.dtype, device=p.device) if g is None
+                               else g.detach().reshape(-1).to(self.dtype) for p, g in zip(self.params, grads)]
+        parts += [b.detach().reshape(-1).to(self.dtype) for b in self.buffers]
+        if missing:
+            parts.append(torch.tensor([g is not None for g in grads], dtype=self.dtype))
+        return (torch.cat([t.cpu() for t in parts]) if parts else torch.zeros(0, dtype=self.dtype)), missing
 
-    def _split(self, flat: Tensor) -> list[Tensor]:
-        if flat.numel() != self.numel:
-            raise ValueError(f"flat vector has {flat.numel()} values, the parameters have {self.numel}")
-        return list(torch.split(flat, [p.numel() for p in self.params]))
+    def split_push(self, flat: Tensor, masked: bool) -> Contribution:
+        """A `push_vector` back into its parts (views of ``flat``)."""
+        size = self.state_numel + (len(self.params) if masked else 0)
+        if flat.numel() != size:
+            raise ValueError(f"a push of {flat.numel()} values, expected {size}")
+        gradient = flat[:self.numel]
+        buffers = flat[self.numel:self.state_numel] if self.buffers else None
+        present = flat[self.state_numel:].bool() if masked else None
+        return Contribution(gradient, buffers, present)
+
+    def _flatten(self, tensors: Sequence[Tensor]) -> Tensor:
+        parts = [t.detach().reshape(-1).to(self.dtype) for t in tensors]
+        return torch.cat([t.cpu() for t in parts]) if parts else torch.zeros(0, dtype=self.dtype)
+
+    @staticmethod
+    def _split(flat: Tensor, sizes: list[int], total: int) -> list[Tensor]:
+        if flat.numel() != total:
+            raise ValueError(f"flat vector has {flat.numel()} values, the module has {total}")
+        return list(torch.split(flat, sizes))
 
 
-def trainable_parameters(module: nn.Module) -> list[Tensor]:
-    return [p for p in module.parameters() if p.requires_grad]
+def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor]) -> Optimizer:
+    """The same optimizer over the server's copies of the parameters (``mapping``: id of a
+    learner parameter -> its server copy; other tensors, e.g. frozen ones, are kept as they are).
 
-
-def _clone_optimizer(optimizer: Optimizer, mapping: dict[int, Tensor]) -> Optimizer:
-    """The same optimizer class and hyperparameters over the server's copies of the parameters."""
-    groups = []
-    for group in optimizer.param_groups:
-        clone = {k: v for k, v in group.items() if k != "params"}
-        clone["params"] = [mapping[id(p)] for p in group["params"]]
-        groups.append(clone)
-    server_optimizer = type(optimizer)(groups, **optimizer.defaults)
-    server_optimizer.load_state_dict(optimizer.state_dict())  # momentum etc. after a resume
-    return server_optimizer
+    The optimizer's own class is built with the constructor arguments its ``defaults`` name (a
+    class whose ``defaults`` hold more than its constructor takes, like torch's AdamW, is fine);
+    a constructor that cannot be called that way is bypassed with a deep copy instead. The
+    state (momentum, moments, step counts) is then loaded from the learner's optimizer."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("LBFGS re-evaluates the loss several times per step, which a parameter "
+                         "server cannot do: it applies gradients computed elsewhere. Use a "
+                         "first-order optimizer (SGD, Adam, AdamW, ...)")
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [mapping.get(id(p), p) for p in g["params"]]} for g in optimizer.param_groups]
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    try:
+        clone = cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    except (TypeError, ValueError):
+        memo = {id(p): mapping.get(id(p), p) for g in optimizer.param_groups for p in g["params"]}
+        clone = copy.deepcopy(optimizer, memo)
+    clone.load_state_dict(optimizer.state_dict())  # momentum etc. after a resume
+    return clone
 
 
 def _mark_steps_for_schedulers(optimizer: Optimizer) -> None:
@@ -89,67 +158,92 @@ def _mark_steps_for_schedulers(optimizer: Optimizer) -> None:
 
 
 class ServerState:
-    """Authoritative parameters, optimizer and LR schedulers of a parameter server.
+    """Authoritative parameters, buffers, optimizer and LR schedulers of a parameter server.
 
     Args:
-        module: the learner's module; its trainable parameters are copied (never shared).
+        module: the learner's module; its trainable parameters and persistent buffers are copied.
         optimizer: the optimizer Lightning built for ``module``; rebuilt over the copies.
         schedulers: Lightning ``LRSchedulerConfig``s of that optimizer: the server steps them
-            (``interval="step"`` after every ``frequency`` updates, ``"epoch"`` at epoch ends),
-            so schedules follow server updates rather than any one learner's steps.
+            (``interval="step"`` after every ``frequency`` updates, ``"epoch"`` when an epoch's
+            end is over), ``ReduceLROnPlateau`` with its monitored metric.
+        buffers: keep the module's buffers here (False where learners share one module).
     """
 
-    def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = ()) -> None:
-        learner_params = trainable_parameters(module)
-        self.params = [p.detach().clone() for p in learner_params]
-        for p in self.params:
-            p.requires_grad_(True)
-        mapping = {id(lp): sp for lp, sp in zip(learner_params, self.params)}
-        missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mapping]
-        if missing:
-            raise ValueError("the optimizer holds tensors that are not trainable parameters of the "
-                             "module; the parameter server can only update the module's parameters")
-        self.optimizer = _clone_optimizer(optimizer, mapping)
+    def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),
+                 buffers: bool = True) -> None:
+        learner = ModelVectors.of(module, buffers)
+        self.params = [p.detach().clone().requires_grad_(True) for p in learner.params]
+        self.buffers = [b.detach().clone() for b in learner.buffers]
+        module_params = {id(p) for p in module.parameters()}
+        foreign = [p for g in optimizer.param_groups for p in g["params"]
+                   if p.requires_grad and id(p) not in module_params]
+        if foreign:
+            raise ValueError(f"the optimizer holds {len(foreign)} trainable tensor(s) that are not "
+                             "parameters of the LightningModule; learners push the module's "
+                             "gradients only: register them as module parameters (nn.Parameter)")
+        self.optimizer = clone_optimizer(
+            optimizer, {id(lp): sp for lp, sp in zip(learner.params, self.params)})
+        self._sparse = isinstance(self.optimizer, torch.optim.SparseAdam)
         _mark_steps_for_schedulers(self.optimizer)
         self.schedulers = list(schedulers)
         for config in self.schedulers:
             config.scheduler.optimizer = self.optimizer
-        self.view = FlatView(self.params)
+        self.vectors = ModelVectors(self.params, self.buffers)
+        self.metrics: dict[str, float] = {}  # latest monitored values, for step-interval plateaus
         self._snapshot: tuple[int, Tensor] | None = None
 
-    def apply(self, gradients: Sequence[Tensor], weights: Sequence[float] | None = None,
+    @property
+    def schedulers_monitor_per_update(self) -> bool:
+        """Whether a plateau scheduler is stepped per update (it needs the latest metrics)."""
+        return any(c.reduce_on_plateau and c.interval == "step" for c in self.schedulers)
+
+    def apply(self, contributions: Sequence[Contribution], weights: Sequence[float] | None = None,
               update_index: int = 0) -> None:
-        """Average the flat gradients (weighted, e.g. for staleness compensation), take one
-        optimizer step, and step the schedulers due after update ``update_index``."""
-        if weights is None:
-            average = torch.stack(list(gradients)).mean(dim=0)
-        else:
-            w = torch.tensor(weights, dtype=gradients[0].dtype)
-            average = (torch.stack(list(gradients)) * w[:, None]).sum(dim=0) / len(gradients)
-        self.view.load_grads(average)
+        """Average the gradients (weighted, e.g. for staleness compensation; a missing gradient
+        counts as zero), take one optimizer step, combine the buffers, and step the schedulers
+        due after update ``update_index``."""
+        k = len(contributions)
+        w = torch.ones(k) if weights is None else torch.tensor(list(weights))
+        average = torch.zeros_like(contributions[0].gradient)
+        for weight, c in zip(w.tolist(), contributions):
+            average.add_(c.gradient, alpha=weight / k)
+        present = None
+        if any(c.present is not None for c in contributions):
+            present = torch.zeros(len(self.params), dtype=torch.bool)
+            for c in contributions:
+                present |= torch.ones_like(present) if c.present is None else c.present
+        self._load_grads(average, present)
         self.optimizer.step()
+        self._combine_buffers(contributions)
         self._snapshot = None
         for config in self.schedulers:
             if config.interval == "step" and update_index % config.frequency == 0:
-                config.scheduler.step()
+                self._step_scheduler(config, self.metrics)
 
-    def end_epoch(self, epoch: int) -> None:
-        """Epoch ``epoch`` (from 0) ended: step the epoch-interval schedulers that are due."""
+    def end_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        """Epoch ``epoch`` (from 0) ended and its validation ran: step the epoch-interval
+        schedulers that are due (a plateau scheduler with its monitored value)."""
         for config in self.schedulers:
             if config.interval == "epoch" and (epoch + 1) % config.frequency == 0:
-                config.scheduler.step()
+                self._step_scheduler(config, metrics)
 
     def snapshot(self, version: int) -> Tensor:
-        """The current parameters, which are those of ``version``, as one flat CPU vector; made
-        once per version."""
+        """The current parameters and buffers, those of ``version``, as one flat CPU vector;
+        made once per version."""
         if self._snapshot is None or self._snapshot[0] != version:
-            self._snapshot = (version, self.view.params_vector())
+            self._snapshot = (version, self.vectors.state_vector())
         return self._snapshot[1]
 
-    def load_into(self, module_params: Sequence[Tensor]) -> None:
-        with torch.no_grad():
-            for dst, src in zip(module_params, self.params):
-                dst.copy_(src)
+    def load_into(self, module: nn.Module) -> None:
+        """Put the server's parameters and buffers into ``module`` (a learner)."""
+        ModelVectors.of(module, bool(self.buffers)).load_state(self.vectors.state_vector())
+
+    def named_state(self, module: nn.Module) -> dict[str, Tensor]:
+        """The server's parameters and buffers under the names ``module.state_dict`` uses."""
+        learner = ModelVectors.of(module, bool(self.buffers))
+        by_id = {id(t): s for t, s in zip(learner.params + learner.buffers, self.params + self.buffers)}
+        return {name: by_id[id(t)].detach().clone()
+                for name, t in module.state_dict(keep_vars=True).items() if id(t) in by_id}
 
     def scheduler_states(self) -> list[dict]:
         return [c.scheduler.state_dict() for c in self.schedulers]
@@ -157,3 +251,35 @@ class ServerState:
     def load_scheduler_states(self, states: Sequence[dict]) -> None:
         for config, s in zip(self.schedulers, states):
             config.scheduler.load_state_dict(s)
+
+    # ------------------------------------------------------------------ internals
+    def _load_grads(self, average: Tensor, present: Tensor | None) -> None:
+        for i, (p, part) in enumerate(zip(self.params, torch.split(average, [p.numel() for p in self.params]))):
+            if present is not None and not present[i]:
+                p.grad = None  # no gradient reached this parameter: the optimizer skips it
+                continue
+            grad = part.view_as(p).to(device=p.device, dtype=p.dtype)
+            p.grad = grad.to_sparse() if self._sparse else grad.clone()
+
+    def _combine_buffers(self, contributions: Sequence[Contribution]) -> None:
+        pushed = [c.buffers for c in contributions if c.buffers is not None]
+        if not pushed or not self.buffers:
+            return
+        stacked = torch.stack(pushed)
+        sizes = [b.numel() for b in self.buffers]
+        for b, mean, largest in zip(self.buffers, torch.split(stacked.mean(0), sizes),
+                                    torch.split(stacked.max(0).values, sizes)):
+            b.copy_((mean if b.is_floating_point() else largest.round()).view_as(b))
+
+    @staticmethod
+    def _step_scheduler(config: Any, metrics: Mapping[str, float]) -> None:
+        if not config.reduce_on_plateau:
+            config.scheduler.step()
+            return
+        value = metrics.get(config.monitor)
+        if value is None:
+            if config.strict:
+                raise ValueError(f"ReduceLROnPlateau monitors {config.monitor!r}, which is not among "
+                                 f"the logged metrics {sorted(metrics)}: log it, or set strict=False")
+            return
+        config.scheduler.step(float(value))

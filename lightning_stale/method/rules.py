@@ -20,6 +20,10 @@ new parameters (it appears in ``refresh`` of some decision) or leave to go on wi
 (``cancel``). A pushed gradient whose version was superseded by a refresh the learner already
 has coming is dropped with no answer of its own: the refresh is its answer.
 
+A push may carry no usable gradient (a 16-mixed gradient that overflowed): it is dropped with
+its reason and the pusher goes on with what it holds. A learner may die (``remove_learner``):
+it gets nothing more, K is clamped to the learners left, and its accepted gradients still count.
+
 Every push ends in exactly one bucket: applied, dropped (by reason), pending (accepted, waiting
 for the K-th gradient), or in flight at stop. `ServerRules.accounting_ok` checks that sum.
 """
@@ -27,7 +31,7 @@ for the K-th gradient), or in flight at stop. `ServerRules.accounting_ok` checks
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_stale.method.variants import Variant
 
@@ -74,6 +78,7 @@ class Decision:
 class _Learner:
     version: int = 0  # version of the parameters it holds, or will hold once its answer arrives
     waiting: bool = False  # pushed and waits for the next update (K counts learners)
+    alive: bool = True
 
 
 @dataclass
@@ -88,6 +93,7 @@ class Counts:
     cancellations: int = 0  # cancel orders sent (work interrupted, not gradients)
     staleness: Counter = field(default_factory=Counter)  # staleness -> applied gradients
     pushes_per_learner: list[int] = field(default_factory=list)
+    dead_learners: list[int] = field(default_factory=list)
 
 
 class ServerRules:
@@ -105,10 +111,7 @@ class ServerRules:
         self.counts = Counts(pushes_per_learner=[0] * variant.p)
         self._learners = [_Learner() for _ in range(variant.p)]
         self._pending: list[Push] = []
-        # Versions older than this are dropped whatever the family: a flush superseded them.
-        self._oldest_accepted = 0
-        # updates applied when each version was created, to measure staleness in updates even
-        # when a flush created a version without an update.
+        # updates applied before each version was created (staleness in updates across a resume)
         self._updates_at_version = [0]
 
     # ------------------------------------------------------------------ queries
@@ -119,6 +122,11 @@ class ServerRules:
     @property
     def pending(self) -> tuple[Push, ...]:
         return tuple(self._pending)
+
+    @property
+    def alive(self) -> tuple[int, ...]:
+        """The learners that have not died."""
+        return tuple(i for i, s in enumerate(self._learners) if s.alive)
 
     def learner_version(self, learner: int) -> int:
         return self._learners[learner].version
@@ -133,7 +141,7 @@ class ServerRules:
     def versions_in_use(self) -> set[int]:
         """Versions whose parameters an engine still needs: the current one, those learners
         hold, and those pending gradients were computed at."""
-        versions = {self.version, *(s.version for s in self._learners)}
+        versions = {self.version, *(s.version for s in self._learners if s.alive)}
         versions.update(p.version for p in self._pending)
         return versions
 
@@ -143,8 +151,9 @@ class ServerRules:
         return c.received == settled
 
     # ------------------------------------------------------------------ events
-    def on_push(self, learner: int, version: int) -> Decision:
-        """Learner ``learner`` pushed a gradient computed at parameters of version ``version``."""
+    def on_push(self, learner: int, version: int, unusable: str | None = None) -> Decision:
+        """Learner ``learner`` pushed a gradient computed at parameters of version ``version``;
+        ``unusable`` names why it carries no usable gradient (e.g. "overflow"), if so."""
         if not 0 <= learner < self.p:
             raise ProtocolError(f"learner {learner} does not exist (P={self.p})")
         c = self.counts
@@ -159,9 +168,13 @@ class ServerRules:
         state = self._learners[learner]
         if state.waiting:
             raise ProtocolError(f"learner {learner} pushed while waiting for new parameters")
+        if not state.alive:
+            raise ProtocolError(f"learner {learner} pushed after it was removed")
+        if unusable is not None:  # nothing to apply: the pusher goes on with what it holds
+            decision = self._drop(push, unusable)
+            resume = () if self.variant.synchronous and version < self.version else (learner,)
+            return replace(decision, resume=resume)
 
-        if version < self._oldest_accepted:
-            return self._drop(push, "flushed")
         if self.variant.synchronous and version < self.version:
             return self._drop(push, "stale")
 
@@ -174,22 +187,23 @@ class ServerRules:
             return Decision(push, accepted=True, version=self.version)
         return Decision(push, accepted=True, version=self.version, **self._answer_batch_pusher(learner))
 
-    def flush(self, reason: str) -> Decision:
-        """Drop what is pending and send everyone the current parameters (an epoch boundary).
-
-        A new version is created without an update, so that every gradient computed before the
-        flush is recognisably older and is dropped with ``reason``."""
-        c = self.counts
-        if self._pending:
-            c.dropped[reason] += len(self._pending)
-            self._pending.clear()
-        self._new_version(applied_update=False)
-        self._oldest_accepted = self.version
-        cancel = tuple(i for i, s in enumerate(self._learners) if not s.waiting)
-        c.cancellations += len(cancel)
-        for s in self._learners:
-            s.version, s.waiting = self.version, False
-        return Decision(None, refresh=tuple(range(self.p)), cancel=cancel, version=self.version)
+    def remove_learner(self, learner: int) -> Decision:
+        """Learner ``learner`` died. It gets nothing more; its accepted gradients still count.
+        K is clamped to the learners left; if the pending gradients then reach K, the update
+        happens now (the returned decision carries it)."""
+        state = self._learners[learner]
+        if not state.alive:
+            return Decision(None, version=self.version)
+        state.alive, state.waiting = False, False
+        self.counts.dead_learners.append(learner)
+        left = len(self.alive)
+        if left == 0:
+            raise ProtocolError("every learner has died")
+        if self.k > left:
+            self.k = left  # the variant keeps its P: K <= P still holds
+        if not self.stopped and self._pending and len(self._pending) >= self.k:
+            return self._update(None)
+        return Decision(None, version=self.version)
 
     def stop(self) -> None:
         """The server is done: pending gradients and later pushes count as in flight at stop."""
@@ -202,23 +216,22 @@ class ServerRules:
         """Continue a saved run: every learner will be sent the parameters of ``version``."""
         self.version, self.counts.updates = version, updates
         self._updates_at_version = [updates] * (version + 1)
-        self._oldest_accepted = version
         for s in self._learners:
             s.version, s.waiting = version, False
 
     def set_k(self, k: int) -> None:
-        """Change K for the following updates (adaptive K); validated against P."""
+        """Change K for the following updates (adaptive K); validated against P, and never above
+        the learners left alive."""
         self.variant = self.variant.with_k(k)
-        self.k = k
+        self.k = min(k, len(self.alive))
 
     # ------------------------------------------------------------------ internals
     def _drop(self, push: Push, reason: str) -> Decision:
         self.counts.dropped[reason] += 1
         return Decision(push, dropped=reason, version=self.version)
 
-    def _new_version(self, applied_update: bool) -> None:
-        if applied_update:
-            self.counts.updates += 1
+    def _new_version(self) -> None:
+        self.counts.updates += 1
         self.version += 1
         self._updates_at_version.append(self.counts.updates)
 
@@ -231,34 +244,38 @@ class ServerRules:
             return {"refresh": (learner,)}
         return {"resume": (learner,)}
 
-    def _update(self, pusher: Push) -> Decision:
+    def _update(self, pusher: Push | None) -> Decision:
+        """Apply the pending gradients; ``pusher`` is the push that completed them (None when a
+        learner's death lowered K)."""
         c = self.counts
         gradients = tuple(self._pending)
         staleness = tuple(self.staleness_of(g.version) for g in gradients)
         self._pending.clear()
         c.applied += len(gradients)
         c.staleness.update(staleness)
-        self._new_version(applied_update=True)
+        self._new_version()
         update = Update(index=c.updates, version=self.version, gradients=gradients, staleness=staleness)
 
         learners = self._learners
         if self.variant.synchronous:
             # Everyone restarts from w_{j+1}; whoever is still computing at w_j is interrupted.
             # The pusher is never interrupted: it is waiting for the answer to its push.
-            refresh = tuple(range(self.p))
-            cancel = tuple(i for i, s in enumerate(learners) if not s.waiting and i != pusher.learner)
+            refresh = self.alive
+            cancel = tuple(i for i in refresh if not learners[i].waiting
+                           and (pusher is None or i != pusher.learner))
         elif self.variant.pusher_waits:
             # K-async: the K pushers waiting for w_{j+1} get it; the others keep computing.
-            refresh = tuple(i for i, s in enumerate(learners) if s.waiting)
+            refresh = tuple(i for i, s in enumerate(learners) if s.waiting and s.alive)
             cancel = ()
         else:
             # K-batch-async: only the pusher pulls, and it now gets w_{j+1}.
-            refresh, cancel = (pusher.learner,), ()
+            refresh = (pusher.learner,) if pusher is not None else ()
+            cancel = ()
         c.cancellations += len(cancel)
         for i in refresh:
             learners[i].version, learners[i].waiting = self.version, False
-        return Decision(pusher, accepted=True, update=update, refresh=refresh, cancel=cancel,
-                        version=self.version)
+        return Decision(pusher, accepted=pusher is not None, update=update, refresh=refresh,
+                        cancel=cancel, version=self.version)
 
     def stats(self) -> dict:
         """Counters as plain Python values (for ``strategy.stats``)."""
@@ -274,6 +291,7 @@ class ServerRules:
             "cancellations": c.cancellations,
             "staleness_histogram": dict(sorted(c.staleness.items())),
             "pushes_per_learner": list(c.pushes_per_learner),
+            "dead_learners": list(c.dead_learners),
             "k": self.k,
             "p": self.p,
             "variant": self.variant.name,

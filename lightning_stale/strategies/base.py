@@ -17,7 +17,9 @@ The contract for callbacks (`WallClockLogger`): ``pop_update_records()`` returns
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import os
 from typing import Any, Callable
 
@@ -29,7 +31,7 @@ from lightning_stale.engine.records import UpdateRecord
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES, Variant, check_k
-from lightning_stale.strategies.lightning_api import trace_path
+from lightning_stale.strategies.lightning_api import run_closure, trace_path
 from lightning_stale.strategies.namespaces import namespace_of, new_instance
 
 CHECKPOINT_KEY = "stale_server"  # the server's books in a Lightning checkpoint
@@ -115,21 +117,13 @@ class ServerStrategyMixin:
         subclass's own findings. One error lists them all."""
         module = self.lightning_module
         if not module.automatic_optimization:
-            problems.append("manual optimization is not supported: each training step is one "
-                            "gradient push that the server's optimizer applies; use automatic "
-                            "optimization")
+            problems.append("manual optimization is not supported: training_step would step the "
+                            "optimizer itself, while here each optimizer step is a gradient push "
+                            "that the server applies; use automatic optimization")
         if len(self.optimizers) != 1:
-            problems.append(f"exactly one optimizer is supported (the server steps it), "
-                            f"got {len(self.optimizers)}")
-        if trainer.accumulate_grad_batches != 1:
-            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not "
-                            "supported: one mini-batch is one push; use a larger batch size")
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            problems.append("precision '16-mixed' uses a gradient scaler the server does not run: "
-                            "use '32-true' or 'bf16-mixed'")
-        if any(config.reduce_on_plateau for config in self.lr_scheduler_configs):
-            problems.append("ReduceLROnPlateau is not supported: the server steps schedulers per "
-                            "update or per epoch")
+            problems.append(f"exactly one optimizer is supported, got {len(self.optimizers)}: the "
+                            "server applies one optimizer's step per update; use one optimizer "
+                            "with a parameter group per part of the model")
         if problems:
             raise ValueError(f"{type(self).__name__} cannot run this Trainer: " + "; ".join(problems))
 
@@ -140,15 +134,50 @@ class ServerStrategyMixin:
         setattr(obj, name, value)
         self._undo.append(lambda: setattr(obj, name, saved))
 
-    def take_over_training_loop(self, trainer: Any) -> tuple[int, list]:
-        """The server counts updates and steps the schedulers: Lightning's step limit (which
-        counts a learner's pushes) and its scheduler stepping are switched off until teardown.
-        Returns the Trainer's ``max_steps`` (server updates) and the scheduler configs."""
-        epoch_loop = trainer.fit_loop.epoch_loop
-        max_updates, schedulers = epoch_loop.max_steps, list(self.lr_scheduler_configs)
-        self.patch(epoch_loop, "max_steps", -1)
+    def take_over_schedulers(self) -> list:
+        """The server steps the LR schedulers (per update or per epoch): Lightning's stepping is
+        switched off until teardown. Returns the scheduler configs."""
+        schedulers = list(self.lr_scheduler_configs)
         self.patch(self, "lr_scheduler_configs", [])
-        return max_updates, schedulers
+        return schedulers
+
+    @contextlib.contextmanager
+    def counting_updates(self, trainer: Any, pushes_per_epoch: int):
+        """Within this block (Lightning's ``configure_optimizers``), ``estimated_stepping_batches``
+        is the number of server updates the fit will make, as it is the number of optimizer
+        steps under DDP: ``max_steps`` when set, else ``max_epochs`` x the updates an epoch of
+        ``pushes_per_epoch`` pushes makes, pushes / K (exact where every push is applied; an
+        upper bound for the sync family, which drops a few stale pushes, and for AdaSync)."""
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop.max_steps != -1 or trainer.max_epochs in (None, -1):
+            yield
+            return
+        updates = max(1, math.ceil(pushes_per_epoch / self.variant.k)) * max(1, trainer.max_epochs)
+        epoch_loop.max_steps = updates  # what Lightning's estimate returns for an endless loader
+        try:
+            yield
+        finally:
+            epoch_loop.max_steps = -1
+
+    def compute_gradient(self, model: Any, optimizer: Any, closure: Any) -> tuple[Any, bool]:
+        """Run Lightning's closure (forward, backward, ``on_before_optimizer_step``, clipping)
+        exactly once, as the precision plugin's ``optimizer_step`` would without stepping; in
+        ``16-mixed`` the gradients are unscaled before the hook and clipping, and the scaler is
+        updated. Returns the loss (None: the step was skipped) and whether the unscaled gradient
+        overflowed (it must not be applied)."""
+        plugin = self.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is None:
+            return run_closure(plugin, model, optimizer, closure), False
+        loss = closure()
+        if loss is None:
+            plugin._after_closure(model, optimizer)
+            return None, False
+        scaler.unscale_(optimizer)
+        plugin._after_closure(model, optimizer)
+        overflow = any(v.item() for v in scaler._found_inf_per_device(optimizer).values())
+        scaler.update()
+        return loss, overflow
 
     def undo_patches(self) -> None:
         while self._undo:
@@ -174,19 +203,19 @@ class ServerStrategyMixin:
         return str(recorder.write(trace_path(self.record_trace, self.lightning_module.trainer)))
 
     # ------------------------------------------------------------------ checkpoints
-    def server_parameters(self) -> list | None:
-        """The server's copies of the module's trainable parameters, in module order, or None
-        where this rank holds none (or they are already in the module)."""
+    def server_state(self) -> Any:
+        """The `ServerState` whose parameters and buffers are the model's, or None where this
+        rank holds none (or the module already holds them)."""
         core = self.core
-        return core.state.params if core is not None and core.state is not None else None
+        return core.state if core is not None else None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state with the server's parameters in place of this learner's."""
+        """The module's state with the server's parameters and buffers in place of this
+        learner's."""
         state_dict = super().lightning_module_state_dict()
-        params = self.server_parameters()
-        if params is not None:
-            trainable = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad]
-            state_dict.update({n: p.detach().clone() for n, p in zip(trainable, params)})
+        state = self.server_state()
+        if state is not None:
+            state_dict.update(state.named_state(self.lightning_module))
         return state_dict
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:

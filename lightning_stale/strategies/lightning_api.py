@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.data import _update_dataloader
 
@@ -50,15 +49,20 @@ def set_root_device(strategy: Any, device: Any) -> None:
     strategy._root_device = device
 
 
+def set_global_step(trainer: Any, value: int) -> None:
+    """Make ``trainer.global_step`` read ``value`` once Lightning has counted the optimizer step
+    in progress (``optim_progress.optimizer.step.total``: incremented after the step returns)."""
+    total = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    total.ready, total.completed = value, value - 1
+
+
 def log_dir(trainer: Any) -> str | None:
     """The first logger's folder, as ``trainer.log_dir`` gives it but without its broadcast: this
     runs on rank 0 only, and engine ranks need not be in step with Lightning's collectives."""
     if not trainer.loggers:
         return None
-    logger = trainer.loggers[0]
-    if isinstance(logger, (CSVLogger, TensorBoardLogger)):
-        return logger.log_dir
-    return logger.save_dir
+    logger = trainer.loggers[0]  # CSV and TensorBoard loggers of either namespace have log_dir
+    return getattr(logger, "log_dir", None) or logger.save_dir
 
 
 def trace_path(record_trace: Any, trainer: Any) -> Path:

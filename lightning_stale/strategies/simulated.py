@@ -25,12 +25,12 @@ from lightning_stale.delays.models import DelayModel, NoDelay
 from lightning_stale.delays.traces import RecordingDelay, TraceRecorder
 from lightning_stale.engine.core import ServerCore
 from lightning_stale.engine.simulated import SimulatedServer
-from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.engine.state import ModelVectors, ServerState
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.strategies.base import ServerStrategyMixin
-from lightning_stale.strategies.lightning_api import run_closure, set_root_device, with_sampler
+from lightning_stale.strategies.lightning_api import set_global_step, set_root_device, with_sampler
 from lightning_stale.strategies.namespaces import register_everywhere
 
 
@@ -62,23 +62,22 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         record_trace: write the delays drawn (`Trace` format) at train end: True for
             ``delays.csv`` in the trainer's log dir (first logger, else ``default_root_dir``), a
             ``.csv`` path for that file, any other path for ``delays.csv`` in that folder.
-        flush_at_epoch_end: at the end of every epoch (one pass worth of pushes: the train
-            loader's length), flush as the real engine does: pending gradients are dropped
-            (counted as "epoch_end"), every learner restarts from the server's parameters and
-            work in progress is cancelled. False keeps the learners running across epochs, the
-            stationary process of docs/method.md's runtime analysis.
         device: torch device; None picks the accelerator's first device.
 
-    During fit: ``max_steps`` counts server updates (Lightning's ``global_step`` counts pushes);
-    validation, test, predict and checkpoints see the server's parameters and optimizer state;
-    checkpoints also hold the simulation under the key ``"stale_server"`` so that a resumed fit
-    continues the run (the sampler restarts from ``seed``, so a resumed run is not bit-identical
-    to an uninterrupted one). Learner-side buffers (e.g. BatchNorm statistics) are shared by the
-    simulated learners. After fit: ``stats`` (counters and virtual-time figures), the module holds
-    the final server parameters, and ``trace_recorder`` holds the recorded delays.
+    During fit: ``trainer.global_step`` is the number of server updates (so ``max_steps`` counts
+    them, and ``estimated_stepping_batches`` estimates them); a push is one optimizer step
+    (``accumulate_grad_batches`` micro-batches, its gradient clipped and, in ``16-mixed``,
+    unscaled; an overflowing one is dropped as "overflow"); an epoch's end is a pause, not a
+    restart: the virtual clock does not run while Lightning validates, and work in flight goes
+    on. Validation, test, predict and checkpoints see the server's parameters and optimizer
+    state; checkpoints also hold the simulation under the key ``"stale_server"`` so that a
+    resumed fit continues the run (the sampler restarts from ``seed``, so a resumed run is not
+    bit-identical to an uninterrupted one). The simulated learners share one module, so its
+    buffers (e.g. BatchNorm statistics) follow every simulated learner's forward passes in turn.
+    After fit: ``stats`` (counters and virtual-time figures), the module holds the final server
+    parameters, and ``trace_recorder`` holds the recorded delays.
 
-    Not supported (clear errors at setup): manual optimization, more than one optimizer,
-    ``accumulate_grad_batches > 1``, ``ReduceLROnPlateau``, gradient scaling (fp16 AMP).
+    Not supported (clear errors at setup): manual optimization, more than one optimizer.
     """
 
     strategy_name = "simulated_stale"
@@ -91,7 +90,6 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
                  adaptive_k: Union[None, float, dict, AdaptiveK] = None,
                  staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
                  seed: int = 0, record_trace: Union[None, bool, str, os.PathLike] = None,
-                 flush_at_epoch_end: bool = True,
                  device: Union[None, str, torch.device] = None, **kwargs: Any) -> None:
         super().__init__(device="cpu" if device is None else device, **kwargs)
         self._device_given = device is not None
@@ -105,10 +103,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             raise ValueError(f"compute_time must be a finite number >= 0, got {compute_time!r}")
         self.num_learners, self.compute_time = num_learners, compute_time
         self.settle_variant(num_learners)  # P is known: every option is checked now
-        self.flush_at_epoch_end = bool(flush_at_epoch_end)
         self.trace_recorder: TraceRecorder | None = None
         self.server: SimulatedServer | None = None
-        self._retry: Finish | None = None
+        self._retry: Finish | None = None  # a learner whose training_step was skipped
+        self._finish: Finish | None = None  # the learner computing the push in progress
         self._batch_samples = 0
         self._epoch = 0
         self._loaders_made = 0
@@ -133,20 +131,25 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
 
     @override
     def setup(self, trainer) -> None:
-        super().setup(trainer)
         if not self.fitting():
+            super().setup(trainer)
             return
+        trainer.fit_loop.setup_data()  # before configure_optimizers: estimated_stepping_batches
+        pushes = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+        with self.counting_updates(trainer, pushes):
+            super().setup(trainer)
         self.check_trainer(trainer, [])
-        self._max_updates, self._schedulers = self.take_over_training_loop(trainer)
+        self._schedulers = self.take_over_schedulers()
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         module = self.lightning_module
-        state = ServerState(module, self.optimizers[0], self._schedulers)
-        self._learner_view = FlatView(trainable_parameters(module))
+        # The simulated learners share one module, buffers included: only parameters travel.
+        state = ServerState(module, self.optimizers[0], self._schedulers, buffers=False)
+        self._learner_view = ModelVectors.of(module, buffers=False)
         self._final_stats = None
-        self._retry = None
+        self._retry = self._finish = None
         self._epoch = module.trainer.current_epoch
         self.settle_variant(self.num_learners)  # a fresh AdaSync schedule for this fit
         restored, self._resume = self._resume, None
@@ -171,17 +174,23 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self._batch_samples = _batch_size(batch)
         trainer = self.lightning_module.trainer
         if self.server is not None and trainer.current_epoch > self._epoch:
             # A strategy has no epoch-end hook: the epoch that ended is handled here.
             self._end_epoch()
             self._epoch = trainer.current_epoch
+        if self.server is not None and self._finish is None:
+            # The first micro-batch of a push: the next learner to finish computes it on the
+            # parameters it holds (a learner whose step was skipped tries again).
+            self._finish = self._retry or self.server.next_finish()
+            self._retry = None
+            self._learner_view.load_state(self.server.parameters_for(self._finish))
+            self._batch_samples = 0
+        self._batch_samples += _batch_size(batch)
 
     def _end_epoch(self) -> None:
-        self.server.end_epoch(flush=self.flush_at_epoch_end)
-        if self.flush_at_epoch_end:
-            self._retry = None  # the flush restarted that learner with new parameters
+        metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()}
+        self.server.end_epoch(metrics)
 
     @override
     def on_validation_start(self) -> None:
@@ -195,7 +204,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             return
         self._load_server_parameters()
         if self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            self._end_epoch()  # the last epoch ended too (the real engine flushes, then stops)
+            self._end_epoch()  # the last epoch ended too
         self.server.stop()
         self._final_stats = self.server.stats()
         if self.trace_recorder is not None:
@@ -219,19 +228,18 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         The learner optimizer's ``step`` is never called: the server's optimizer owns the state.
         """
         server = self.server
-        assert server is not None, "optimizer_step outside fit"
+        assert server is not None and self._finish is not None, "optimizer_step outside fit"
         model = model or self.lightning_module
-        finish = self._retry or server.next_finish()
-        self._retry = None
-        self._learner_view.load_params(server.parameters_for(finish))
-        loss = run_closure(self.precision_plugin, model, optimizer, closure)
+        finish, self._finish = self._finish, None
+        loss, overflow = self.compute_gradient(model, optimizer, closure)
         if loss is None:
             # training_step skipped this batch: the learner tries again with the next one.
             self._retry = finish
-            return None
-        server.push(finish, self._learner_view.grads_vector(), float(loss), self._batch_samples)
-        if 0 < self._max_updates <= server.updates:
-            self.lightning_module.trainer.should_stop = True
+        else:
+            contribution = None if overflow else self._learner_view.split_push(*self._learner_view.push_vector())
+            server.push(finish, contribution, float(loss), self._batch_samples,
+                        unusable="overflow" if overflow else None)
+        set_global_step(self.lightning_module.trainer, server.updates)
         return loss
 
     # ---------------------------------------------------------------- data
@@ -255,10 +263,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
 
     # ---------------------------------------------------------------- checkpoints
     @override
-    def server_parameters(self) -> list | None:
+    def server_state(self) -> Any:
         if self._final_stats is not None:
             return None  # after fit the module already holds the server's parameters
-        return super().server_parameters()
+        return super().server_state()
 
     def _engine_checkpoint(self) -> dict:
         # Plain bytes and dicts: loadable with torch.load(weights_only=True).
@@ -269,7 +277,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     # ---------------------------------------------------------------- internals
     def _load_server_parameters(self) -> None:
         if self.server is not None and self.server.state is not None:
-            self.server.state.load_into(trainable_parameters(self.lightning_module))
+            self.server.state.load_into(self.lightning_module)
 
 
 def _batch_size(batch: Any) -> int:

@@ -13,23 +13,23 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback
 from pytorch_lightning.utilities.data import extract_batch_size
-from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_stale.delays.models import DelayModel
 from lightning_stale.delays.traces import TraceRecorder
 from lightning_stale.engine.core import ServerCore, ServerLimits
-from lightning_stale.engine.distributed.learner import Learner, ServerFailed
-from lightning_stale.engine.distributed.server import ParameterServer
+from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
+from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
 from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
-from lightning_stale.engine.state import FlatView, ServerState, trainable_parameters
+from lightning_stale.engine.state import ModelVectors, ServerState
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
+from lightning_stale.strategies.faults import SignalTrap, Watchdog, watched_launcher
 from lightning_stale.strategies.lightning_api import (process_group_backend, replace_sigterm_broadcast,
-                                                     run_closure, sync_batchnorm_requested)
+                                                     set_global_step, sync_batchnorm_requested)
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.sampling import IndependentBatchSampler
 
@@ -45,7 +45,8 @@ class _LocalCollectives(Callback):
     """Marks when learners run at their own pace (inside training batches): collectives issued
     there, e.g. ``self.log(..., sync_dist=True)`` in ``training_step``, would pair up calls from
     different steps and deadlock, so the strategy answers them locally. At epoch ends and in
-    validation every learner is in step again and collectives are real."""
+    validation every learner is in step again and collectives are real (unless a learner died,
+    which leaves the default process group unusable for the rest of the fit)."""
 
     def __init__(self, strategy: StaleStrategy) -> None:
         self.strategy = strategy
@@ -54,15 +55,10 @@ class _LocalCollectives(Callback):
         self.strategy._local_collectives = True
 
     def on_validation_start(self, *args: Any) -> None:
-        self.strategy._local_collectives = False
+        self.strategy._local_collectives = self.strategy._lost_learner
 
     def on_train_epoch_end(self, *args: Any) -> None:
-        self.strategy._local_collectives = False
-
-
-def _raise_on_local_sigterm(trainer) -> None:
-    if getattr(trainer, "received_sigterm", False):
-        raise SIGTERMException()
+        self.strategy._local_collectives = self.strategy._lost_learner
 
 
 class StaleStrategy(ServerStrategyMixin):
@@ -93,16 +89,25 @@ class StaleStrategy(ServerStrategyMixin):
         adaptive_k: AdaSync schedule of K over wall-clock seconds (K-variants only): an
             `AdaptiveK`, a dict of its arguments, or the interval T0 in seconds.
         seed: seed of every learner's independent mini-batch sampler.
+        on_learner_failure: ``"stop"`` (default): a learner that dies ends the run, like DDP;
+            ``"continue"``: the server drops it, clamps K to the learners left and goes on
+            (needs K < P; validation is skipped after a death: the default process group lost
+            a member). Lightning's child-process watchdog then tolerates the death.
+        server_timeout: seconds of silence after which a learner takes the server for dead (the
+            server sends heartbeats when idle).
         shutdown_timeout: seconds to wait for every learner to leave at the end of training.
         Other arguments are `DDPStrategy`'s (accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout,
         start_method).
 
-    Semantics worth knowing: ``max_steps`` counts server updates; an epoch is one pass worth of
-    mini-batches pushed by all learners together, and ends with a flush (pending gradients are
-    dropped and counted, everyone gets the current parameters) so validation and checkpoints
-    see the server's parameters. Gradient clipping applies to each learner's gradient before it
-    is pushed. ``trainer.strategy.stats`` on global rank 0 holds the server's counters.
+    Semantics worth knowing: ``trainer.global_step`` is the server update a learner's parameters
+    come from, so ``max_steps`` counts server updates; an epoch is one pass worth of mini-batches
+    pushed by all learners together, and its end pauses training (work in flight carries over)
+    while validation and checkpoints see the server's parameters. A push is one optimizer step
+    (``accumulate_grad_batches`` micro-batches), its gradient clipped and, in ``16-mixed``,
+    unscaled by the learner; an overflowing one is dropped and counted as "overflow". Any
+    exception or SIGTERM/SIGINT on any process ends every process with a non-zero status, the
+    cause named. ``trainer.strategy.stats`` on global rank 0 holds the server's counters.
     """
 
     strategy_name = "stale"
@@ -114,9 +119,19 @@ class StaleStrategy(ServerStrategyMixin):
                  record_trace: Union[bool, str] = True,
                  staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
                  adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
+                 on_learner_failure: str = "stop", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
+        if on_learner_failure not in LEARNER_FAILURE_MODES:
+            raise ValueError(f"unknown on_learner_failure {on_learner_failure!r}; choose one of "
+                             f"{', '.join(LEARNER_FAILURE_MODES)}")
+        if on_learner_failure == "continue" and variant == "sync":
+            raise ValueError("on_learner_failure='continue' cannot apply to variant 'sync': every "
+                             "update waits for every learner; use a K-variant with K < P")
+        for name, value in (("server_timeout", server_timeout), ("shutdown_timeout", shutdown_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         unknown = sorted(set(ddp_kwargs) - set(_DDP_OPTIONS))
         if unknown:
             raise ValueError(f"StaleStrategy got unknown options {unknown}; it does not wrap the model "
@@ -124,14 +139,19 @@ class StaleStrategy(ServerStrategyMixin):
         super().__init__(**ddp_kwargs)
         self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
                                   record_trace, seed)
-        self.delay_mode, self.shutdown_timeout = delay_mode, shutdown_timeout
+        self.delay_mode, self.on_learner_failure = delay_mode, on_learner_failure
+        self.server_timeout, self.shutdown_timeout = float(server_timeout), float(shutdown_timeout)
         self._local_collectives = False
+        self._lost_learner = False  # a learner died (continue mode): no more collectives
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
+        self._watchdog: Watchdog | None = None
+        self._failure_raised = False
         self._samplers: list[IndependentBatchSampler] = []
         self._pushes_per_epoch = 0
         self._batch_samples = 0
+        self._batch_started = 0.0
         self._epoch = 0
 
     @property
@@ -152,8 +172,13 @@ class StaleStrategy(ServerStrategyMixin):
         if on_cpu and process_group_backend(self) == "nccl":
             raise ValueError("process_group_backend='nccl' needs GPUs, but this Trainer runs on CPU: "
                              "use 'gloo' or leave it unset (the server's own traffic is always gloo)")
-        self.settle_variant(self.num_learners)
+        variant = self.settle_variant(self.num_learners)
+        if self.on_learner_failure == "continue" and variant.k == variant.p and self._adaptive is None:
+            raise ValueError(f"on_learner_failure='continue' needs K < P, got K = P = {variant.p}: "
+                             "every update would wait for the dead learner")
         super()._configure_launcher()
+        self._launcher = watched_launcher(
+            self._launcher, tolerate=lambda: self.on_learner_failure == "continue" and self._server is not None)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -162,25 +187,35 @@ class StaleStrategy(ServerStrategyMixin):
 
     @override
     def setup(self, trainer) -> None:
-        super().setup(trainer)
-        if not self.fitting():
+        fitting = self.fitting()
+        if fitting:
+            # The server shapes epochs (the learners' loaders are endless): Lightning must not
+            # cut them, nor validate every `limit_train_batches` batches of an endless loader.
+            self._limit_train_batches = trainer.limit_train_batches
+            self.patch(trainer, "limit_train_batches", 1.0)
+            self._samplers = []
+            trainer.fit_loop.setup_data()  # before configure_optimizers: estimated_stepping_batches
+            with self.counting_updates(trainer, self._pushes_per_epoch):
+                super().setup(trainer)
+        else:
+            super().setup(trainer)
             return
         problems = []
         if sync_batchnorm_requested(self):
             problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every "
                             "forward, which learners at their own pace cannot join")
         if trainer.val_check_interval != 1.0:
-            problems.append("val_check_interval must be 1.0: validation runs at the server's epoch ends, "
-                            "when all learners are in step (use check_val_every_n_epoch)")
+            problems.append("val_check_interval must be 1.0: validation runs when the server pauses "
+                            "every learner at an epoch's end (validate less often with "
+                            "check_val_every_n_epoch, more often with shorter epochs: "
+                            "limit_train_batches)")
         self.check_trainer(trainer, problems)
-        self._samplers = []
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
-        self._max_updates, self._schedulers = self.take_over_training_loop(trainer)
-        # Lightning broadcasts a SIGTERM flag on the default group before every training batch,
-        # which would put learners in lock-step; each learner checks its own flag instead.
-        self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop,
-                                                    lambda: _raise_on_local_sigterm(trainer)))
+        self._schedulers = self.take_over_schedulers()
+        # Lightning broadcasts rank 0's SIGTERM flag before every training batch, which would put
+        # learners in lock-step; signals are the server's business here (see faults.py).
+        self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop, lambda: None))
         phase = _LocalCollectives(self)
         trainer.callbacks.insert(0, phase)
         self._undo.append(lambda: trainer.callbacks.remove(phase))
@@ -197,7 +232,7 @@ class StaleStrategy(ServerStrategyMixin):
         if batch_size is None:
             raise ValueError("StaleStrategy needs a training DataLoader with a batch_size")
         n = len(dataloader.dataset)
-        self._pushes_per_epoch = math.ceil(n / batch_size)
+        self._pushes_per_epoch = self._pushes_in_epoch(trainer, n, batch_size, dataloader.drop_last)
         sampler = IndependentBatchSampler(n, batch_size, self.seed, self.global_rank)
         self._samplers.append(sampler)
         return DataLoader(dataloader.dataset, batch_sampler=sampler, num_workers=dataloader.num_workers,
@@ -205,63 +240,122 @@ class StaleStrategy(ServerStrategyMixin):
                           worker_init_fn=dataloader.worker_init_fn,
                           persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0)
 
+    def _pushes_in_epoch(self, trainer, n: int, batch_size: int, drop_last: bool) -> int:
+        """One pass worth of pushes by all learners together: P times the optimizer steps a DDP
+        rank makes per epoch (its 1/P shard in mini-batches, cut by ``limit_train_batches``)."""
+        p = self.num_learners
+        shard = math.ceil(n / p)
+        batches = shard // batch_size if drop_last else math.ceil(shard / batch_size)
+        limit = self._limit_train_batches
+        batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+        return p * max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+
     # ------------------------------------------------------------------ training
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        view = FlatView(trainable_parameters(self.lightning_module))
+        vectors = ModelVectors.of(self.lightning_module)
         variant = self.settle_variant(self.world_size)
         self._final_stats = None
+        self._failure_raised = False
+        self._lost_learner = False
         self._epoch = trainer.current_epoch
         if self.global_rank == 0:
             state = ServerState(self.lightning_module, self.optimizers[0], self._schedulers)
-            limits = ServerLimits(max_updates=self._max_updates, pushes_per_epoch=self._pushes_per_epoch,
+            limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                                   max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
             core = ServerCore(variant, state, limits, self._adaptive, self.staleness_compensation,
                               clock=time.monotonic())
             if self._resume is not None:
                 core.load_state_dict(self._resume)
                 self._resume = None
-            self._server = ParameterServer(core)
+            self._server = ParameterServer(core, vectors, self.on_learner_failure)
             server_endpoint = ServerEndpoint(self._server_group, variant.p, self._server.events.put,
-                                             queue.Queue(), view.numel)
-            endpoint = LearnerEndpoint(0, self._server_group, view.numel, local_server=server_endpoint)
+                                             queue.Queue(), vectors.max_push_numel())
+            endpoint = LearnerEndpoint(0, self._server_group, vectors.state_numel, local_server=server_endpoint)
             self._server.start(server_endpoint)
         else:
-            endpoint = LearnerEndpoint(self.global_rank, self._server_group, view.numel)
+            endpoint = LearnerEndpoint(self.global_rank, self._server_group, vectors.state_numel)
         server = self._server
-        learner = self._learner = Learner(endpoint, view, self.delay,
-                                          failed=lambda: server.error if server else None,
+        learner = self._learner = Learner(endpoint, vectors, self.delay,
                                           waits_for_answer=variant.pusher_needs_answer,
-                                          delay_is_total=self.delay_mode == "total")
+                                          delay_is_total=self.delay_mode == "total",
+                                          server_error=lambda: server.error if server else None,
+                                          server_timeout=self.server_timeout)
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
+        trap = SignalTrap(self.global_rank)
+        trap.install()
+        self._undo.append(trap.restore)
+        self._watchdog = Watchdog(trap, report=lambda reason: learner.abort(reason, interrupted=True),
+                                  failure=self._known_failure, acknowledged=lambda: self._failure_raised)
+        self._watchdog.start()
         learner.wait_for_parameters()
+
+    def _known_failure(self) -> str | None:
+        if self._server is not None and self._server.error:
+            return self._server.error
+        return self._learner.failure if self._learner is not None else None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self._batch_samples = extract_batch_size(batch)
-        epoch = self.lightning_module.trainer.current_epoch
-        if epoch > self._epoch:  # the pause at the epoch boundary (validation) is no mini-batch's time
-            self._epoch = epoch
-            self._learner.clock.restart()
+        trainer = self.lightning_module.trainer
+        first_micro_batch = self._batch_samples == 0
+        self._batch_samples += extract_batch_size(batch)  # a push counts all its micro-batches
+        if trainer.current_epoch > self._epoch:  # an epoch's end is over: training goes on
+            self._epoch = trainer.current_epoch
+            self._lost_learner |= self._learner.dead_learners > 0
             if self._server is not None:
-                self._server.resume()
+                self._server.resume({k: float(v) for k, v in trainer.callback_metrics.items()})
+            self._guarded(self._learner.resume)
+        if first_micro_batch:
+            self._batch_started = time.monotonic()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._learner is not None and self.fitting():
+            self._learner.enter_validation()
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        # The closure runs forward, backward, on_before_optimizer_step and clipping, exactly once.
-        # The learner's own optimizer never steps: the server's does.
+        # A push; the learner's own optimizer never steps: the server's does.
         model = model if model is not None else self.lightning_module
-        loss = run_closure(self.precision_plugin, model, optimizer, closure)
-        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
+        loss, overflow = self.compute_gradient(model, optimizer, closure)
         trainer = self.lightning_module.trainer
-        self._learner.step(loss_value, self._batch_samples, trainer.current_epoch)
+        if loss is not None:
+            loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
+            self._guarded(self._learner.step, loss_value, self._batch_samples, self._batch_started,
+                          "overflow" if overflow else None)
+        self._batch_samples = 0
+        set_global_step(trainer, max(self._learner.version, 0))
         if self._learner.stopped:
             trainer.should_stop = True
+        if self._server is not None and self._server.core.state.schedulers_monitor_per_update:
+            self._server.report_metrics({k: float(v) for k, v in trainer.callback_metrics.items()})
         return loss
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except (ServerFailed, RunInterrupted):
+            self._failure_raised = True
+            raise
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._failure_raised = True
+        learner = self._learner
+        if learner is None or isinstance(exception, (ServerFailed, RunInterrupted)) or learner.failure:
+            return  # the failure came from elsewhere: everyone knows already
+        reason = f"learner {self.global_rank} failed: {type(exception).__name__}: {exception}"
+        try:
+            learner.abort(reason)
+        except Exception as exc:  # noqa: BLE001 - the original error matters more
+            log.warning("could not tell the server that %s: %s", reason, exc)
 
     @override
     def on_train_end(self) -> None:
@@ -272,6 +366,8 @@ class StaleStrategy(ServerStrategyMixin):
         learner, self._learner = self._learner, None
         if learner is None:
             return
+        if self._watchdog is not None:
+            self._watchdog.stop()
         learner.close(self.shutdown_timeout)
         if self._server is None:
             return
@@ -281,7 +377,7 @@ class StaleStrategy(ServerStrategyMixin):
         if stuck:
             raise ServerFailed(f"server threads still running after shutdown: {stuck}")
         if self._server.error:
-            raise ServerFailed(self._server.error)
+            raise (RunInterrupted if self._server.interrupted else ServerFailed)(self._server.error)
         self._collect_stats()
 
     def _collect_stats(self) -> None:
@@ -348,14 +444,23 @@ class StaleStrategy(ServerStrategyMixin):
     @override
     def teardown(self) -> None:
         try:
-            if self._learner is not None:  # an exception ended training: leave without hanging
-                try:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            learner = self._learner
+            if learner is not None and not self._failure_raised and not learner.failure:
+                try:  # an exception ended training here: leave without hanging
                     self._shut_down()
                 except Exception as exc:  # noqa: BLE001 - the original error matters more
                     log.warning("StaleStrategy: unclean shutdown after an error: %s", exc)
-            if self._server_group is not None:
+            failed = self._learner is not None
+            self._learner = None
+            if failed and self._server is not None:
+                self._server.endpoint.join(2.0)  # let every learner hear why (its ABORT)
+            if self._server_group is not None and not failed:
+                # (a group whose connections broke is left to the process's exit: destroying
+                # it under a thread blocked in a receive aborts the process)
                 dist.destroy_process_group(self._server_group)
-                self._server_group = None
+            self._server_group = None
         finally:
             self.undo_patches()
             self._local_collectives = False

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_stale.engine.core import ServerCore, ServerLimits
-from lightning_stale.engine.state import ServerState
+from lightning_stale.engine.state import Contribution, ServerState
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
@@ -19,6 +19,11 @@ def make_state(lr=1.0):
     return ServerState(module, torch.optim.SGD(module.parameters(), lr=lr))
 
 
+def g(*values, present=None):
+    """A pushed gradient as the server keeps it."""
+    return Contribution(torch.tensor(values), present=present)
+
+
 def balanced(stats):
     return stats["gradients_received"] == (stats["gradients_applied"] + stats["gradients_dropped"]
                                            + stats["gradients_pending"] + stats["gradients_in_flight_at_stop"])
@@ -26,8 +31,8 @@ def balanced(stats):
 
 def test_an_update_averages_the_k_gradients_and_writes_its_record():
     core = ServerCore(Variant.create("k_async", 4, 2), make_state())
-    assert core.push(0, 0, 1.0, gradient=torch.tensor([1.0, 1.0]), loss=3.0, samples=8).update is None
-    outcome = core.push(2, 0, 3.0, gradient=torch.tensor([3.0, 5.0]), loss=1.0, samples=8)
+    assert core.push(0, 0, 1.0, contribution=g(1.0, 1.0), loss=3.0, samples=8).update is None
+    outcome = core.push(2, 0, 3.0, contribution=g(3.0, 5.0), loss=1.0, samples=8)
     assert outcome.update.index == 1 and outcome.decision.refresh == (0, 2)
     assert core.state.params[0].tolist() == [[-2.0, -3.0]]  # w_0 - lr * mean
     (record,) = core.pop_records()
@@ -37,11 +42,11 @@ def test_an_update_averages_the_k_gradients_and_writes_its_record():
 
 def test_pauses_are_not_training_time():
     core = ServerCore(Variant.create("async", 2), make_state(), clock=10.0)
-    core.push(0, 0, 12.0, gradient=torch.ones(2))
+    core.push(0, 0, 12.0, contribution=g(1.0, 1.0))
     core.pause(13.0)
     assert core.running_time(20.0) == 3.0  # frozen while paused
     core.resume(20.0)
-    core.push(1, 0, 21.0, gradient=torch.ones(2))
+    core.push(1, 0, 21.0, contribution=g(1.0, 1.0))
     assert [r.clock for r in core.pop_records()] == [2.0, 4.0]  # 21 - 10 - 7 s of pause
     assert core.stats()["mean_update_interval_s"] == 2.0
 
@@ -61,36 +66,37 @@ def test_without_state_the_core_decides_and_keeps_the_books():
 def test_epochs_end_after_their_pushes_and_the_limits_stop_training():
     core = ServerCore(Variant.create("async", 2), make_state(),
                       ServerLimits(max_epochs=2, pushes_per_epoch=3))
-    outcomes = [core.push(i % 2, core.rules.learner_version(i % 2), float(i), gradient=torch.ones(2))
+    outcomes = [core.push(i % 2, core.rules.learner_version(i % 2), float(i), contribution=g(1.0, 1.0))
                 for i in range(6)]
     assert [o.epoch_ended for o in outcomes] == [False, False, True, False, False, True]
-    assert outcomes[2].flush is not None and outcomes[2].flush.refresh == (0, 1)
+    # an epoch's end is a pause, not a restart: nobody is refreshed or cancelled by it
+    assert outcomes[2].decision.refresh == (0,) and outcomes[2].decision.cancel == ()
     assert outcomes[-1].stopped and core.stopped and core.epoch == 2
-    late = core.push(0, core.version, 7.0, gradient=torch.ones(2))
+    late = core.push(0, core.version, 7.0, contribution=g(1.0, 1.0))
     assert not late.stopped and late.decision.dropped == "in_flight_at_stop"
     assert balanced(core.stats())
 
 
 def test_max_updates_stops_training():
     core = ServerCore(Variant.create("async", 2), make_state(), ServerLimits(max_updates=2))
-    assert not core.push(0, 0, 1.0, gradient=torch.ones(2)).stopped
-    assert core.push(1, 0, 2.0, gradient=torch.ones(2)).stopped and core.updates == 2
+    assert not core.push(0, 0, 1.0, contribution=g(1.0, 1.0)).stopped
+    assert core.push(1, 0, 2.0, contribution=g(1.0, 1.0)).stopped and core.updates == 2
 
 
 def test_adaptive_k_grows_between_updates():
     schedule = AdaptiveK(k0=1, interval_s=1.0, window=1)
     schedule.limit(3)
     core = ServerCore(Variant.create("k_batch_async", 3, 1), make_state(lr=0.0), adaptive=schedule)
-    core.push(0, 0, 0.5, gradient=torch.ones(2), loss=4.0)  # F(w_0) = 4
-    core.push(0, 1, 1.5, gradient=torch.ones(2), loss=1.0)  # boundary: K = ceil(sqrt(4 / 1)) = 2
+    core.push(0, 0, 0.5, contribution=g(1.0, 1.0), loss=4.0)  # F(w_0) = 4
+    core.push(0, 1, 1.5, contribution=g(1.0, 1.0), loss=1.0)  # boundary: K = ceil(sqrt(4 / 1)) = 2
     assert core.rules.k == 2 and core.stats()["k_history"] == [(0.0, 1), (1.5, 2)]
 
 
 def test_norm_compensation_reads_the_parameters_each_gradient_was_computed_at():
     compensation = StalenessCompensation("norm", c=0.5)
     core = ServerCore(Variant.create("async", 2), make_state(), compensation=compensation)
-    core.push(0, 0, 1.0, gradient=torch.tensor([1.0, 0.0]))  # w_1 = (-1, 0), staleness 0
-    core.push(1, 0, 2.0, gradient=torch.tensor([0.0, 2.0]))  # computed at w_0: ||w_1 - w_0||^2 = 1
+    core.push(0, 0, 1.0, contribution=g(1.0, 0.0))  # w_1 = (-1, 0), staleness 0
+    core.push(1, 0, 2.0, contribution=g(0.0, 2.0))  # computed at w_0: ||w_1 - w_0||^2 = 1
     # weight min(C / 1, eta_max = lr) / lr = 0.5: the stale step is halved
     assert core.state.params[0].tolist() == [[-1.0, -1.0]]
 
@@ -98,10 +104,10 @@ def test_norm_compensation_reads_the_parameters_each_gradient_was_computed_at():
 def test_a_checkpointed_core_resumes_version_updates_and_epoch():
     core = ServerCore(Variant.create("async", 2), make_state(), ServerLimits(pushes_per_epoch=2))
     for i in range(3):
-        core.push(i % 2, core.rules.learner_version(i % 2), float(i), gradient=torch.ones(2), samples=5)
+        core.push(i % 2, core.rules.learner_version(i % 2), float(i), contribution=g(1.0, 1.0), samples=5)
     saved = core.state_dict()
     resumed = ServerCore(Variant.create("async", 2), make_state())
     resumed.load_state_dict(saved)
     assert (resumed.version, resumed.updates, resumed.epoch, resumed.samples) == (core.version, 3, 1, 15)
-    assert resumed.push(0, resumed.version, 0.0, gradient=torch.ones(2)).update.index == 4
+    assert resumed.push(0, resumed.version, 0.0, contribution=g(1.0, 1.0)).update.index == 4
     assert math.isnan(ServerCore(Variant.create("async", 2)).stats()["mean_update_interval_s"])

@@ -103,7 +103,7 @@ def test_the_grids_cover_what_the_figures_need():
     assert [job for job in sweep_jobs("convex_error_floor")] == [[f"variant.k={k}"]
                                                                  for k in range(1, 5)]
     theory = compose_config("theory_vs_measurement")
-    assert theory.engine.strategy.flush_at_epoch_end is False
+    assert theory.trainer.limit_val_batches == 0 and not theory.validate
     assert theory.delay._target_ == "lightning_stale.delays.Exponential"
     arms = [compose_config("adaptive_k", job) for job in sweep_jobs("adaptive_k")]
     assert sum(arm.engine.strategy.adaptive_k is not None for arm in arms) == 1

@@ -133,18 +133,32 @@ def test_k_batch_async_pusher_pulls_current_parameters_at_once():
 
 
 # ---------------------------------------------------------------- flush, stop, accounting
-@pytest.mark.parametrize("name", VARIANT_NAMES)
-def test_flush_drops_pending_and_everything_computed_before(name):
-    r = rules(name, k=None if name in ("sync", "async") else 3)
-    r.on_push(0, 0)  # pending, except for async where it is applied at once
-    before = r.version
-    d = r.flush("epoch_end")
-    assert d.refresh == (0, 1, 2, 3) and r.version == before + 1 and r.counts.updates == before
-    assert d.cancel == ((1, 2, 3) if name != "async" and r.variant.pusher_waits else (0, 1, 2, 3))
-    assert r.on_push(2, 0).dropped == "flushed"  # computed before the flush, whatever the family
-    assert r.on_push(0, r.version).accepted  # learner 0 no longer waits: the flush answered it
-    expected = {"flushed": 1} if name == "async" else {"epoch_end": 1, "flushed": 1}
-    assert dict(r.counts.dropped) == expected and r.accounting_ok()
+def test_an_unusable_push_is_dropped_and_its_learner_goes_on():
+    r = rules("k_sync", k=2)
+    d = r.on_push(1, 0, unusable="overflow")
+    assert d.dropped == "overflow" and d.resume == (1,) and not r.is_waiting(1)
+    assert r.on_push(1, 0).accepted and r.counts.dropped == {"overflow": 1} and r.accounting_ok()
+
+
+@pytest.mark.parametrize("name", ["k_sync", "k_batch_sync", "k_async"])
+def test_a_dead_learner_lowers_k_and_its_gradients_still_count(name):
+    r = rules(name, k=3)
+    r.on_push(0, 0)
+    r.on_push(1, 0)  # two of three pending
+    d = r.remove_learner(2)  # learner 2 dies: K = 3 still fits the three learners left
+    assert d.update is None and r.k == 3 and r.alive == (0, 1, 3)
+    d = r.remove_learner(3)  # two left: K is clamped to 2, which the pending gradients meet
+    assert r.k == 2 and [g.learner for g in d.update.gradients] == [0, 1]
+    assert d.refresh == (0, 1) and 2 not in d.cancel + d.refresh
+    assert r.stats()["dead_learners"] == [2, 3] and r.accounting_ok()
+
+
+def test_a_dead_learner_is_never_refreshed_or_cancelled():
+    r = rules("k_sync", k=2)
+    r.remove_learner(3)
+    r.on_push(0, 0)
+    d = r.on_push(1, 0)
+    assert d.refresh == (0, 1, 2) and d.cancel == (2,)
 
 
 def test_stop_counts_pending_and_late_pushes_as_in_flight():
@@ -177,8 +191,6 @@ def test_random_interleavings_keep_the_books(name):
             learner = rng.choice(idle)
             busy.add(learner)
             in_flight.append((learner, r.learner_version(learner)))
-        if rng.random() < 0.01:
-            r.flush("epoch_end")
         assert r.accounting_ok()
     r.stop()
     s = r.stats()

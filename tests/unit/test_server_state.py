@@ -1,10 +1,10 @@
-"""ServerState: the server's copy of parameters and optimizer, and its update arithmetic."""
+"""ServerState and ModelVectors: the server's copy of the model, and its update arithmetic."""
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_stale.engine.state import FlatView, ServerState
+from lightning_stale.engine.state import Contribution, ModelVectors, ServerState, clone_optimizer
 
 
 def make(optimizer_cls=torch.optim.SGD, **kw):
@@ -13,28 +13,32 @@ def make(optimizer_cls=torch.optim.SGD, **kw):
     return module, ServerState(module, optimizer_cls(module.parameters(), **kw))
 
 
+def flat(state):
+    return state.vectors.state_vector()
+
+
 def test_average_of_k_gradients_is_one_sgd_step():
     module, state = make(lr=0.5)
-    before = state.view.params_vector()
-    grads = [torch.randn(state.view.numel) for _ in range(3)]
-    state.apply(grads)
+    before = flat(state)
+    grads = [torch.randn(state.vectors.numel) for _ in range(3)]
+    state.apply([Contribution(g) for g in grads])
     expected = before - 0.5 * torch.stack(grads).mean(0)
-    assert torch.allclose(state.view.params_vector(), expected, atol=1e-6)
+    assert torch.allclose(flat(state), expected, atol=1e-6)
     # the learner's module is a separate copy: untouched until parameters are sent
-    assert torch.allclose(FlatView(list(module.parameters())).params_vector(), before)
+    assert torch.allclose(ModelVectors.of(module).state_vector(), before)
 
 
 def test_weights_scale_each_gradient():
     _, state = make(lr=1.0)
-    before = state.view.params_vector()
-    g = torch.ones(state.view.numel)
-    state.apply([g, g], weights=[1.0, 0.5])
-    assert torch.allclose(state.view.params_vector(), before - 0.75 * g)
+    before = flat(state)
+    g = torch.ones(state.vectors.numel)
+    state.apply([Contribution(g), Contribution(g)], weights=[1.0, 0.5])
+    assert torch.allclose(flat(state), before - 0.75 * g)
 
 
 def test_adam_state_lives_with_the_server():
     _, state = make(torch.optim.Adam, lr=0.01)
-    state.apply([torch.randn(state.view.numel)])
+    state.apply([Contribution(torch.randn(state.vectors.numel))])
     assert all("exp_avg" in s for s in state.optimizer.state.values())
 
 
@@ -42,11 +46,156 @@ def test_snapshot_is_cached_per_version():
     _, state = make(lr=0.1)
     a = state.snapshot(0)
     assert state.snapshot(0) is a
-    state.apply([torch.randn(state.view.numel)])
+    state.apply([Contribution(torch.randn(state.vectors.numel))])
     assert not torch.equal(state.snapshot(1), a)
 
 
-def test_flat_view_rejects_wrong_size():
+def test_vectors_reject_the_wrong_size():
     _, state = make(lr=0.1)
     with pytest.raises(ValueError, match="flat vector has 3 values"):
-        state.view.load_params(torch.zeros(3))
+        state.vectors.load_state(torch.zeros(3))
+
+
+class Head(nn.Module):
+    """A backbone, and two heads of which training uses only one (as fine-tuning code does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Linear(3, 3)
+        self.used = nn.Linear(3, 1)
+        self.unused = nn.Linear(3, 1)
+        self.norm = nn.BatchNorm1d(3)
+
+
+def test_a_parameter_no_gradient_reached_is_left_alone_as_under_ddp():
+    """AdamW with weight decay changes a parameter whose gradient is zero, but skips one whose
+    gradient is None: the server must keep that difference."""
+    torch.manual_seed(0)
+    module = Head()
+    module.backbone.requires_grad_(False)  # frozen, yet handed to the optimizer
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, weight_decay=0.5)
+    state = ServerState(module, optimizer)
+    vectors = ModelVectors.of(module)
+    trainable = [*module.used.parameters(), *module.unused.parameters(), *module.norm.parameters()]
+    assert [id(p) for p in vectors.params] == [id(p) for p in trainable]
+    module.used(module.backbone(torch.randn(4, 3))).sum().backward()
+    payload, masked = vectors.push_vector()
+    assert masked  # the unused head had no gradient
+    unused_before = module.unused.weight.detach().clone()
+    state.apply([vectors.split_push(payload, masked)])
+    named = state.named_state(module)
+    assert torch.equal(named["unused.weight"], unused_before)  # not decayed, not moved
+    assert not torch.equal(named["used.weight"], module.used.weight)  # stepped
+    assert "backbone.weight" not in named  # frozen: the module's own tensor stays the model's
+    assert len(state.optimizer.state) == 2  # Adam moments only for the used head's two tensors
+
+
+def test_a_gradient_present_in_one_push_is_averaged_with_zeros_for_the_others():
+    module = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(module.weight)
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=1.0))
+    state.apply([Contribution(torch.tensor([4.0])), Contribution(torch.tensor([0.0]), present=torch.tensor([False]))])
+    assert state.params[0].item() == -2.0  # mean of 4 and a missing (zero) gradient
+
+
+def test_buffers_travel_with_the_parameters_and_are_averaged():
+    torch.manual_seed(0)
+    module = Head()
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=0.0))
+    vectors = ModelVectors.of(module)
+    assert vectors.buffer_numel == 3 + 3 + 1  # running mean, var, num_batches_tracked
+    pushes = []
+    for batch in (torch.randn(8, 3) + 5.0, torch.randn(8, 3) - 5.0):
+        module.zero_grad()
+        module.norm.reset_running_stats()
+        module.used(module.norm(batch)).sum().backward()
+        pushes.append(vectors.split_push(*vectors.push_vector()))
+    means = [c.buffers[:3] for c in pushes]
+    state.apply(pushes)
+    named = state.named_state(module)
+    assert torch.allclose(named["norm.running_mean"], (means[0] + means[1]) / 2)
+    assert named["norm.num_batches_tracked"].item() == 1
+    # a learner loading the server's state gets its buffers too
+    fresh = Head()
+    ModelVectors.of(fresh).load_state(state.snapshot(1))
+    assert torch.allclose(fresh.norm.running_mean, named["norm.running_mean"])
+    assert fresh.norm.num_batches_tracked.dtype == torch.long
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+    and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+    and n not in ("Optimizer", "LBFGS", "SparseAdam")))
+def test_every_torch_optimizer_is_rebuilt_with_its_options_and_state(name):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 2, bias=False))  # 2-D: Muon too
+    cls = getattr(torch.optim, name)
+    kwargs = {"lr": 0.01} if "lr" in cls.__init__.__code__.co_varnames else {}
+    optimizer = cls([{"params": [module[0].weight], "weight_decay": 0.1},
+                     {"params": [module[1].weight]}], **kwargs)
+    module(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    copies = {id(p): p.detach().clone().requires_grad_(True) for p in module.parameters()}
+    clone = clone_optimizer(optimizer, copies)
+    assert type(clone) is cls and len(clone.param_groups) == 2
+    assert clone.param_groups[0]["weight_decay"] == 0.1
+    assert clone.param_groups[0]["params"][0] is copies[id(module[0].weight)]
+    assert clone.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+    for p in clone.param_groups[0]["params"] + clone.param_groups[1]["params"]:
+        p.grad = torch.ones_like(p)
+    clone.step()  # the rebuilt optimizer works
+
+
+def test_an_optimizer_with_its_own_constructor_is_copied_when_it_cannot_be_rebuilt():
+    class Custom(torch.optim.SGD):
+        def __init__(self, params, schedule, lr=0.1):
+            super().__init__(params, lr=lr)
+            self.schedule = schedule  # a constructor argument its defaults do not hold
+
+    module = nn.Linear(2, 1)
+    optimizer = Custom(module.parameters(), schedule=[1, 2])
+    copies = {id(p): p.detach().clone().requires_grad_(True) for p in module.parameters()}
+    clone = clone_optimizer(optimizer, copies)
+    assert type(clone) is Custom and clone.param_groups[0]["params"][0] is copies[id(module.weight)]
+
+
+def test_lbfgs_is_refused_with_the_reason():
+    module = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="LBFGS re-evaluates the loss"):
+        ServerState(module, torch.optim.LBFGS(module.parameters()))
+
+
+def test_sparse_adam_gets_sparse_gradients():
+    torch.manual_seed(0)
+    module = nn.Embedding(10, 2, sparse=True)
+    state = ServerState(module, torch.optim.SparseAdam(module.parameters(), lr=0.1))
+    vectors = ModelVectors.of(module)
+    module(torch.tensor([1, 3])).sum().backward()
+    state.apply([vectors.split_push(*vectors.push_vector())])
+    moved = (state.params[0] != module.weight).any(dim=1)
+    assert moved.tolist() == [i in (1, 3) for i in range(10)]  # only the rows looked up
+
+
+def test_a_trainable_tensor_outside_the_module_is_refused():
+    module = nn.Linear(2, 1)
+    stray = nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match="not parameters of the LightningModule"):
+        ServerState(module, torch.optim.SGD([*module.parameters(), stray], lr=0.1))
+
+
+def test_plateau_scheduler_steps_with_its_monitored_value():
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+
+    class Config:
+        interval, frequency, reduce_on_plateau, monitor, strict = "epoch", 1, True, "val/loss", True
+
+    config = Config()
+    config.scheduler = scheduler
+    state = ServerState(module, optimizer, [config])
+    for epoch, loss in enumerate([1.0, 2.0, 3.0]):
+        state.end_epoch(epoch, {"val/loss": loss})
+    assert state.optimizer.param_groups[0]["lr"] == 0.25  # two epochs without improvement
+    with pytest.raises(ValueError, match="monitors 'val/loss'"):
+        state.end_epoch(3, {"train/loss": 1.0})

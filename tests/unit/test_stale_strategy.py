@@ -64,7 +64,6 @@ def test_variant_names_are_registered_strategies(name):
 
 
 @pytest.mark.parametrize("trainer_kwargs,match", [
-    (dict(accumulate_grad_batches=2), "accumulate_grad_batches=2 is not supported"),
     (dict(val_check_interval=5), "val_check_interval must be 1.0"),
     (dict(sync_batchnorm=True), "sync_batchnorm must be False"),
 ])

@@ -1,10 +1,20 @@
-"""A learner's side of the protocol: push a gradient, wait for the answer, obey cancellations.
+"""A learner's side of the protocol: push a gradient, wait for the answer, obey the server.
 
 One `Learner` lives in every Trainer process. After Lightning's closure has run forward and
 backward, `Learner.step` draws the injected straggler delay, pushes the gradient with the version
-it was computed at, and blocks until the server answers (new parameters, or leave to go on). Any
-message that arrives *before* the push interrupts the work: it is a cancellation (sync family),
-an epoch end or the stop, and the gradient is thrown away and counted, never pushed.
+it was computed at, and blocks until the server answers (new parameters, or leave to go on). A
+message that arrives before the push changes the plan: new parameters cancel the work (sync
+family), the stop ends it, and an epoch's end pauses it.
+
+An epoch's end is a pause of the whole process (docs/method.md, "Setting"; the rule is stated in
+the README): the mini-batch in flight (computed, or in its delay, or waiting for its answer) is
+carried into the next epoch and finished first (`resume`); a mini-batch that Lightning starts
+after the epoch ended (its loader had already fetched it) is discarded and counted; the pause is
+excluded from every clock. Validation runs on the server's parameters (`enter_validation`).
+
+Failures: an ABORT from the server, a broken connection, or a server silent for longer than
+``server_timeout`` (heartbeats keep a busy server audible) raise `ServerFailed` (or
+`RunInterrupted` when a signal stopped the run) in the learner's thread.
 """
 
 from __future__ import annotations
@@ -13,16 +23,24 @@ import math
 import queue
 import time
 from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from lightning_stale.engine.state import FlatView
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
 from lightning_stale.engine.distributed.transport import LearnerEndpoint
+from lightning_stale.engine.state import ModelVectors
+
+_POLL_S = 0.1  # how often a waiting learner looks at the server's health
 
 
 class ServerFailed(RuntimeError):
-    """The parameter server or the transport failed; training cannot go on."""
+    """The server, the transport or another learner failed; training cannot go on."""
+
+
+class RunInterrupted(RuntimeError):
+    """A signal (SIGTERM, SIGINT) on some process stopped the run before it finished."""
 
 
 class MessageLatency:
@@ -52,6 +70,7 @@ class MiniBatchClock:
     toward it: the start is the server event, moved back by the message's age and the measured
     round trip (`MessageLatency`). A learner that goes on right after its own push (K-batch-sync)
     starts at that push. Without ``total``, the whole draw is added after the computation.
+    A pause (an epoch's end) does not count: `resume` moves the start by its length.
     """
 
     def __init__(self, total: bool) -> None:
@@ -61,8 +80,12 @@ class MiniBatchClock:
         self._pushes = self._timed_pushes = 0
 
     def restart(self) -> None:
-        """A mini-batch starts now, not on a server message (e.g. after validation)."""
+        """A mini-batch starts now, not on a server message (the first one)."""
         self._start = time.monotonic()
+
+    def resume(self, paused_s: float) -> None:
+        self._start += paused_s
+        self._last_event += paused_s
 
     def pushed(self) -> None:
         self._pushes += 1
@@ -87,49 +110,121 @@ class MiniBatchClock:
         return max(0.0, seconds - (time.monotonic() - self._start))
 
 
+class _Silence:
+    """How long the server has been silent, seen from one thread; time this process spent
+    frozen or starved does not count (its own messages may be waiting unread)."""
+
+    def __init__(self, endpoint: LearnerEndpoint) -> None:
+        self.endpoint = endpoint
+        self._last_look = self._awake_since = time.monotonic()
+
+    def silent_for(self) -> float:
+        now = time.monotonic()
+        if now - self._last_look > 10 * _POLL_S:
+            self._awake_since = now
+        self._last_look = now
+        return now - max(self.endpoint.last_heard, self._awake_since)
+
+
+@dataclass
+class _Carried:
+    """A mini-batch in flight at an epoch's end: its push (None: pushed, waiting for the answer),
+    its drawn delay (None: not drawn yet) and how long it already waited."""
+
+    push: Message | None
+    delay: float | None = None
+    waited: float = 0.0
+
+
+@dataclass
+class _Events:
+    """What a batch of server messages meant for the work in progress."""
+
+    refreshed: bool = False  # new parameters: an answer, or a cancellation while computing
+    answered: bool = False  # leave to go on with the parameters held
+    paused: bool = False  # an epoch ended
+    stopped: bool = False
+
+    @property
+    def interrupts(self) -> bool:
+        return self.refreshed or self.stopped
+
+
 class Learner:
     """Args:
         endpoint: this rank's transport.
-        view: the flat view of the module's trainable parameters.
+        vectors: the module's parameters and buffers as flat vectors.
         delay: a straggler model (``sample(rank)``), or None.
-        failed: callable returning an error string when the server (on this rank) failed.
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
-        delay_is_total: the drawn delay is the mini-batch's whole time X (see `MiniBatchClock`);
-            False: the delay is added after the computation.
+        delay_is_total: the drawn delay is the mini-batch's whole time X (see `MiniBatchClock`).
+        server_error: returns the error of the server thread on this rank, if it failed.
+        server_timeout: seconds of silence after which the server is taken for dead.
     """
 
-    def __init__(self, endpoint: LearnerEndpoint, view: FlatView, delay=None,
-                 failed=lambda: None, waits_for_answer: bool = True,
-                 delay_is_total: bool = False) -> None:
-        self.endpoint, self.view, self.delay = endpoint, view, delay
+    def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
+                 waits_for_answer: bool = True, delay_is_total: bool = False,
+                 server_error: Callable[[], str | None] = lambda: None,
+                 server_timeout: float = 30.0) -> None:
+        self.endpoint, self.vectors, self.delay = endpoint, vectors, delay
         self.waits_for_answer = waits_for_answer
         self.clock = MiniBatchClock(delay_is_total)
         self.rank = endpoint.rank
-        self._failed = failed
+        self._server_error, self.server_timeout = server_error, server_timeout
         self.version = -1
         self.server_epochs = 0  # epochs the server has ended
         self.stopped = False
-        self.cancelled = 0  # gradients computed and thrown away before their push
+        self.cancelled = 0  # mini-batches computed and never pushed
         self.delays: list[float] = []
         self.pushes = 0
+        self.paused_at: float | None = None  # the server ended an epoch; training is paused
+        self.carried: _Carried | None = None
+        self.dead_learners = 0  # learners the server has lost (on_learner_failure="continue")
+        self._validation_state: torch.Tensor | None = None  # the server's, for validation
+        self._own_state: torch.Tensor | None = None  # ours, while validating
+        self._raised: str | None = None
+        self._poll, self._watch = _Silence(endpoint), _Silence(endpoint)  # this thread's, the watchdog's
 
     # ------------------------------------------------------------------ waiting
+    @property
+    def failure(self) -> str | None:
+        """Why the run failed, as far as this learner knows: what it raised, the server's ABORT
+        or a broken connection, or a server silent for longer than ``server_timeout``. Safe to
+        call from another thread (the watchdog's); `_wait` raises the same in the learner's."""
+        if self._raised or self.endpoint.failure:
+            return self._raised or self.endpoint.failure
+        silent = self._watch.silent_for()
+        if not self.endpoint.local and silent > self.server_timeout:
+            return f"learner {self.rank}: no message from the server for {silent:.0f} s"
+        return None
+
+    def _silent_for(self) -> float:
+        return self._poll.silent_for()
+
     def _wait(self, timeout: float | None) -> list[Message]:
-        """Messages from the server, blocking up to ``timeout`` (None: until one arrives)."""
+        """The server's messages other than heartbeats, blocking up to ``timeout`` seconds
+        (None: until one arrives); raises if the server failed or went silent."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._silent_for()
         while True:
-            remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            remaining = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if remaining <= 0:
                 return []
             try:
                 first = self.endpoint.inbox.get(timeout=remaining)
-                break
             except queue.Empty:
-                error = self._failed()
+                error = self._server_error()
+                silent = self._silent_for()
+                if not error and not self.endpoint.local and silent > self.server_timeout:
+                    error = (f"learner {self.rank}: no message from the server for {silent:.0f} s: "
+                             "its process is gone or frozen")
                 if error:
+                    self._raised = error
                     raise ServerFailed(error) from None
-        return [first, *self._drain()]
+                continue
+            messages = [m for m in [first, *self._drain()] if m.kind != Kind.HEARTBEAT]
+            if messages:
+                return messages
 
     def _drain(self) -> list[Message]:
         messages = []
@@ -137,18 +232,32 @@ class Learner:
             try:
                 messages.append(self.endpoint.inbox.get_nowait())
             except queue.Empty:
-                return messages
+                return [m for m in messages if m.kind != Kind.HEARTBEAT]
 
-    def _absorb(self, messages: list[Message]) -> None:
+    def _absorb(self, messages: list[Message]) -> _Events:
+        events = _Events()
         for m in messages:
-            if m.kind == Kind.FAILED:
-                raise ServerFailed(m.error)
-            self.clock.message(m)
-            if m.payload is not None and m.version != self.version:
-                self.view.load_params(m.payload)
-                self.version = m.version
+            if m.kind in (Kind.FAILED, Kind.ABORT):
+                self._raised = m.error
+                raise (RunInterrupted if m.flags & Flag.INTERRUPTED else ServerFailed)(m.error)
             self.server_epochs = max(self.server_epochs, m.epoch)
-            self.stopped |= m.kind == Kind.STOP
+            self.dead_learners = max(self.dead_learners, m.dead)
+            if m.kind == Kind.EPOCH:
+                self._validation_state = m.payload
+                if self.paused_at is None:
+                    self.paused_at = time.monotonic()
+                events.paused = True
+                continue
+            self.clock.message(m)
+            if m.payload is not None and (m.version != self.version or m.kind == Kind.STOP):
+                self.vectors.load_state(m.payload)
+                self.version = m.version
+                self._own_state = None  # whatever was saved for after validation is superseded
+            events.refreshed |= m.kind == Kind.PARAMS
+            events.answered |= m.kind == Kind.CONTINUE
+            if m.kind == Kind.STOP:
+                self.stopped = events.stopped = True
+        return events
 
     def wait_for_parameters(self) -> None:
         """Block until the server's first parameters arrive (w_0, or the resumed state)."""
@@ -157,45 +266,120 @@ class Learner:
         self.clock.restart()
 
     # ------------------------------------------------------------------ one step
+    @property
+    def paused(self) -> bool:
+        return self.paused_at is not None
+
     def epoch_over(self, local_epoch: int) -> bool:
         return self.stopped or self.server_epochs > local_epoch
 
-    def step(self, loss: float, samples: int, local_epoch: int) -> None:
-        """After backward: delay, push and wait for the answer, unless interrupted first."""
+    def step(self, loss: float, samples: int, started_at: float, unusable: str | None = None) -> None:
+        """After backward: delay, push and wait for the answer, unless the server says otherwise
+        first. ``started_at``: when Lightning started this mini-batch (``time.monotonic()``);
+        ``unusable``: why the gradient cannot be applied (e.g. "overflow"), if so."""
         started_by_server = True
         try:
-            started_by_server = self._step(loss, samples, local_epoch)
+            started_by_server = self._step(self._push_message(loss, samples, unusable), started_at)
         finally:
             self.clock.next_mini_batch(started_by_server)
 
-    def _step(self, loss: float, samples: int, local_epoch: int) -> bool:
-        """One mini-batch's push; True when the next mini-batch starts on a server message."""
-        if self.epoch_over(local_epoch):
-            self.cancelled += 1  # computed after the epoch ended: the flush superseded it
-            return True
-        interrupt = self._drain()  # cancelled while computing?
-        if not interrupt and self.delay is not None:
-            seconds = self.delay.sample(self.rank)
-            self.delays.append(seconds)
-            interrupt = self._wait(self.clock.remaining(seconds))  # interruptible
-        if interrupt:
+    def _push_message(self, loss: float, samples: int, unusable: str | None) -> Message:
+        message = Message(Kind.PUSH, version=self.version, samples=samples,
+                          loss=loss if math.isfinite(loss) else float("nan"))
+        if unusable is not None:
+            message.flags, message.error = Flag.UNUSABLE, unusable
+        else:
+            message.payload, masked = self.vectors.push_vector()
+            message.flags = Flag.MASKED if masked else 0
+        return message
+
+    def _step(self, push: Message, started_at: float) -> bool:
+        """One mini-batch; True when the next one starts on a server message."""
+        if self.stopped:
             self.cancelled += 1
-            self._absorb(interrupt)
             return True
-        gradient = self.view.grads_vector()
+        if self.paused:
+            if self.carried is None and started_at < self.paused_at:
+                self.carried = _Carried(push)  # in flight when the epoch ended
+            else:
+                self.cancelled += 1  # started after the epoch's end
+            return True
+        events = self._absorb(self._drain())
+        if events.interrupts:
+            self.cancelled += 1
+            return True
+        if events.paused:
+            self.carried = _Carried(push)
+            return True
+        return self._delay_and_push(_Carried(push))
+
+    def _delay_and_push(self, work: _Carried) -> bool:
+        if self.delay is not None:
+            if work.delay is None:
+                work.delay = self.delay.sample(self.rank)
+                self.delays.append(work.delay)
+            remaining = self.clock.remaining(work.delay) if self.clock.total else work.delay - work.waited
+            began = time.monotonic()
+            events = self._absorb(self._wait(max(0.0, remaining)))  # interruptible
+            work.waited += time.monotonic() - began
+            if events.interrupts:
+                self.cancelled += 1
+                return True
+            if events.paused:
+                self.carried = work
+                return True
         self.pushes += 1
         self.clock.pushed()
-        self.endpoint.push(Message(Kind.PUSH, version=self.version, samples=samples,
-                                   loss=loss if math.isfinite(loss) else float("nan"),
-                                   payload=gradient))
-        if self.waits_for_answer:
-            self._absorb(self._wait(None))
-            return True
-        return False
+        self.endpoint.push(work.push)
+        if not self.waits_for_answer:
+            return False
+        return self._await_answer()
+
+    def _await_answer(self) -> bool:
+        while True:
+            events = self._absorb(self._wait(None))
+            if events.refreshed or events.answered or events.stopped:
+                return True
+            if events.paused:
+                self.carried = _Carried(None)
+                return True
+
+    # ------------------------------------------------------------------ epochs
+    def enter_validation(self) -> None:
+        """Validation at an epoch's end runs on the server's parameters and buffers."""
+        if self._validation_state is not None and self._own_state is None:
+            self._own_state = self.vectors.state_vector()
+            self.vectors.load_state(self._validation_state)
+
+    def resume(self) -> None:
+        """Training goes on after an epoch's end: back to our own parameters, the pause taken
+        off the clock, and the carried mini-batch finished first."""
+        if self._own_state is not None:
+            self.vectors.load_state(self._own_state)
+            self._own_state = None
+        self._validation_state = None
+        if self.paused_at is not None:
+            self.clock.resume(time.monotonic() - self.paused_at)
+            self.paused_at = None
+        work, self.carried = self.carried, None
+        if work is None or self.stopped:
+            return
+        started_by_server = True
+        try:
+            if work.push is None:
+                started_by_server = self._await_answer()
+            else:
+                started_by_server = self._delay_and_push(work)
+        finally:
+            self.clock.next_mini_batch(started_by_server)
 
     # ------------------------------------------------------------------ leaving
     def close(self, timeout: float) -> None:
-        """Say goodbye (with the delays drawn), then wait for the server's stop."""
+        """Say goodbye (with the delays drawn and the work never pushed), then wait for the
+        server's stop."""
+        if self.carried is not None and self.carried.push is not None:
+            self.cancelled += 1  # carried past the last epoch: never pushed
+        self.carried = None
         delays = torch.tensor(self.delays, dtype=torch.float64) if self.delays else None
         self.endpoint.push(Message(Kind.BYE, version=self.version, cancelled=self.cancelled,
                                    payload=delays))
@@ -206,3 +390,9 @@ class Learner:
                 raise ServerFailed(f"learner {self.rank}: no stop from the server within {timeout} s")
             self._absorb(messages)
         self.endpoint.join(timeout)
+
+    def abort(self, reason: str, interrupted: bool = False) -> None:
+        """Tell the server this learner cannot go on (``reason`` names the error or signal)."""
+        self.endpoint.push(Message(Kind.ABORT, version=self.version, error=reason,
+                                   flags=Flag.INTERRUPTED if interrupted else 0,
+                                   payload=text_payload(reason)))

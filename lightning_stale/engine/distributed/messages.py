@@ -17,13 +17,14 @@ import torch
 from torch import Tensor
 
 MAGIC = 0x5354414C45  # "STALE"
-PROTOCOL = 2
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+PROTOCOL = 3
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8)
 
 # (field, struct format), in wire order; little-endian, no padding.
 HEADER = (
     ("magic", "q"), ("protocol", "q"), ("kind", "q"), ("learner", "q"), ("version", "q"),
-    ("epoch", "q"), ("samples", "q"), ("cancelled", "q"), ("pushes", "q"),
+    ("epoch", "q"), ("samples", "q"), ("cancelled", "q"), ("pushes", "q"), ("flags", "q"),
+    ("dead", "q"),
     ("numel", "q"), ("dtype", "q"), ("inline", "q"),
     ("loss", "d"), ("hold", "d"), ("age", "d"),
 )
@@ -38,10 +39,19 @@ class TransportError(RuntimeError):
 class Kind(IntEnum):
     PUSH = 1  # learner -> server: a gradient (payload) computed at ``version``
     BYE = 2  # learner -> server: leaving; payload = the delays it drew
-    PARAMS = 3  # server -> learner: parameters of ``version`` (payload)
+    PARAMS = 3  # server -> learner: parameters and buffers of ``version`` (payload)
     CONTINUE = 4  # server -> learner: go on with the parameters you hold
-    STOP = 5  # server -> learner: training is over; payload = final parameters
+    STOP = 5  # server -> learner: training is over; payload = final parameters and buffers
     FAILED = 6  # local only: the transport broke; ``error`` says how
+    EPOCH = 7  # server -> learner: an epoch ended; payload = the parameters to validate
+    ABORT = 8  # either way: the run failed or was interrupted; payload = the reason (utf-8)
+    HEARTBEAT = 9  # server -> learner: the server is alive (sent when it has nothing else to say)
+
+
+class Flag(IntEnum):
+    MASKED = 1  # PUSH: a presence mask follows the gradients and buffers
+    UNUSABLE = 2  # PUSH: no gradient to apply (it overflowed); ``error`` names why
+    INTERRUPTED = 4  # ABORT: a signal stopped the run (not a failure)
 
 
 @dataclass
@@ -53,8 +63,10 @@ class Message:
         learner: the learner it comes from (uplink) or goes to (downlink).
         version: PUSH: the version the gradient was computed at; downlink: the parameters'.
         epoch: downlink: epochs the server has ended so far.
-        samples: PUSH: the mini-batch size.
+        samples: PUSH: the mini-batch size (all its micro-batches).
         cancelled: BYE: computations the learner threw away before pushing them.
+        flags: a sum of `Flag` values.
+        dead: downlink: how many learners have died so far (``on_learner_failure="continue"``).
         loss: PUSH: the mini-batch's training loss (NaN when unknown).
         pushes, hold: downlink, for the learner's estimate of its message latency (NTP-style,
             one clock per side): pushes received from this learner so far, and the seconds from
@@ -62,7 +74,8 @@ class Message:
         age: downlink: seconds from the arrival of the push this message answers (the paper's
             instant of the update or cancellation) to sending it: the server's own time.
         payload: a flat tensor, or None.
-        error: FAILED: what broke (local only).
+        error: FAILED, ABORT: what broke (travels as the ABORT's payload); PUSH with UNUSABLE:
+            the drop reason.
         caused_at: server side: ``time.monotonic()`` of the arrival ``age`` counts from.
         received_at: ``time.monotonic()`` when the receiving side got it.
     """
@@ -73,6 +86,8 @@ class Message:
     epoch: int = 0
     samples: int = 0
     cancelled: int = 0
+    flags: int = 0
+    dead: int = 0
     loss: float = 0.0
     pushes: int = 0
     hold: float = 0.0
@@ -117,17 +132,48 @@ def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, in
     if fields["inline"] not in (0, 1) or any(math.isinf(fields[f]) for f in ("hold", "age")):
         raise TransportError(f"{sender} sent a malformed header {fields}")
     message = Message(Kind(fields["kind"]), **{name: fields[name] for name in (
-        "learner", "version", "epoch", "samples", "cancelled", "pushes", "loss", "hold", "age")})
+        "learner", "version", "epoch", "samples", "cancelled", "pushes", "flags", "dead", "loss",
+        "hold", "age")})
     return message, fields["numel"], DTYPES[fields["dtype"]], bool(fields["inline"])
 
 
-def coalesce(messages: list[Message]) -> Message:
-    """The one downlink message equivalent to receiving ``messages`` in order: the newest
-    header, with the newest parameters if any message carried parameters."""
-    last = messages[-1]
-    if last.payload is None:
-        with_params = [m for m in messages if m.payload is not None]
-        if with_params:
+def text_payload(text: str) -> Tensor:
+    """A reason as an ABORT's payload."""
+    return torch.frombuffer(bytearray(text.encode("utf-8", "replace")), dtype=torch.uint8)
+
+
+def payload_text(payload: Tensor | None) -> str:
+    return "" if payload is None else bytes(payload.to(torch.uint8).tolist()).decode("utf-8", "replace")
+
+
+# Messages that answer a push or refresh a learner: only the newest of a run of them matters.
+_TRAINING = (Kind.PARAMS, Kind.CONTINUE)
+
+
+def coalesce(messages: list[Message]) -> list[Message]:
+    """What a sender that fell behind sends instead of ``messages``, with the same effect on the
+    learner: a run of training messages becomes its newest header, with the newest parameters
+    if any of them carried parameters; heartbeats go when anything else is sent; epoch ends,
+    stops and aborts are kept, in order."""
+    out: list[Message] = []
+    run: list[Message] = []
+
+    def close_run() -> None:
+        if not run:
+            return
+        last = run[-1]
+        with_params = [m for m in run if m.payload is not None]
+        if last.payload is None and with_params:
             newest = with_params[-1]
-            return replace(last, kind=Kind.PARAMS, payload=newest.payload, version=newest.version)
-    return last
+            last = replace(last, kind=Kind.PARAMS, payload=newest.payload, version=newest.version)
+        out.append(last)
+        run.clear()
+
+    for m in messages:
+        if m.kind in _TRAINING:
+            run.append(m)
+        elif m.kind != Kind.HEARTBEAT:
+            close_run()
+            out.append(m)
+    close_run()
+    return out or messages[-1:]

@@ -1,23 +1,37 @@
 """The parameter server across processes: the core on a thread of global rank 0, talking to the
 learners through a `ServerEndpoint`.
 
-Events in (one push or goodbye at a time, decided the moment it arrives), `ServerCore` decides
-and applies, answers out. It never waits for more than the rules ask. Epochs are the server's:
-after one pass worth of mini-batches has been pushed (all learners together) the core ends the
-epoch; the server then tells every learner, so that Lightning's epoch-end work (validation,
-checkpoints, their collectives) runs with all learners in step and on the server's parameters.
+Events in (one at a time, decided the moment they arrive), `ServerCore` decides and applies,
+answers out; it never waits for more than the rules ask. Epochs are the server's: after one pass
+worth of mini-batches has been pushed (all learners together) the server tells every learner,
+with its parameters to validate, and pauses its clock until rank 0's learner resumes training.
+
+Faults: any exception in this thread, a learner's ABORT (its error, or a signal) or a learner
+whose connection breaks ends the run: every learner gets an ABORT naming the cause, and
+``error`` holds it. With ``on_learner_failure="continue"`` a learner whose connection breaks is
+removed instead (`ServerCore.remove_learner`) and training goes on, where the variant allows.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
+import traceback
+from typing import Mapping
 
 from lightning_stale.engine.core import Outcome, ServerCore
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
 from lightning_stale.engine.distributed.transport import ServerEndpoint
+from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.rules import Decision
+
+log = logging.getLogger(__name__)
+
+LEARNER_FAILURE_MODES = ("stop", "continue")
+# local events, from rank 0's learner thread
+_RESUME, _METRICS = "resume", "metrics"
 
 
 class ParameterServer:
@@ -25,13 +39,19 @@ class ParameterServer:
 
     Args:
         core: the decisions, state and books; its clock is ``time.monotonic()``.
+        vectors: the layout of a push (gradients, buffers, presence mask).
+        on_learner_failure: "stop" (a learner that dies ends the run) or "continue".
+        heartbeat_s: a learner that heard nothing for this long gets a heartbeat.
     """
 
-    def __init__(self, core: ServerCore) -> None:
-        self.core = core
-        self.events: queue.Queue[Message] = queue.Queue()
+    def __init__(self, core: ServerCore, vectors: ModelVectors, on_learner_failure: str = "stop",
+                 heartbeat_s: float = 1.0) -> None:
+        self.core, self.vectors = core, vectors
+        self.on_learner_failure, self.heartbeat_s = on_learner_failure, heartbeat_s
+        self.events: queue.Queue = queue.Queue()
         self.lock = threading.Lock()  # held while the core changes (checkpoints read it)
-        self.error: str | None = None
+        self.error: str | None = None  # why the run ended early
+        self.interrupted = False  # a signal ended it (not a failure)
         self.learner_reports: dict[int, Message] = {}  # BYE messages
         self.endpoint: ServerEndpoint | None = None
         self._thread: threading.Thread | None = None
@@ -50,10 +70,14 @@ class ParameterServer:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def resume(self) -> None:
-        """Training resumed after an epoch end (called from rank 0's learner)."""
-        with self.lock:
-            self.core.resume(time.monotonic())
+    def resume(self, metrics: Mapping[str, float]) -> None:
+        """Training goes on after an epoch's end (from rank 0's learner, with its logged
+        metrics for the epoch's schedulers)."""
+        self.events.put((_RESUME, dict(metrics)))
+
+    def report_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Rank 0's latest logged metrics, for plateau schedulers stepped per update."""
+        self.events.put((_METRICS, dict(metrics)))
 
     def pop_update_records(self) -> list:
         with self.lock:
@@ -65,24 +89,64 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
-        p = self.core.rules.p
-        while len(self.learner_reports) < p and self.error is None:
-            message = self.events.get()
-            if message.kind == Kind.PUSH:
-                self._on_push(message)
-            elif message.kind == Kind.BYE:
-                self.learner_reports[message.learner] = message
-                self._stop()  # one learner leaving ends training for all (e.g. early stopping)
-            elif message.kind == Kind.FAILED:
-                self.error = message.error
-                self._stop()
+        try:
+            while self.error is None and len(self.learner_reports) < len(self.core.rules.alive):
+                try:
+                    event = self.events.get(timeout=self.heartbeat_s)
+                except queue.Empty:
+                    event = None
+                self.endpoint.heartbeat(self.heartbeat_s)
+                if event is not None:
+                    self._handle(event)
+        except BaseException as exc:  # noqa: BLE001 - every learner must hear why
+            detail = "".join(traceback.format_exception(exc)).rstrip()
+            self._abort(f"the parameter server failed: {type(exc).__name__}: {exc}\n{detail}")
+
+    def _handle(self, event) -> None:
+        if isinstance(event, tuple):
+            kind, metrics = event
+            with self.lock:
+                if kind == _RESUME:
+                    self.core.begin_epoch(time.monotonic(), metrics)
+                else:
+                    self.core.report_metrics(metrics)
+        elif event.kind == Kind.PUSH:
+            self._on_push(event)
+        elif event.kind == Kind.BYE:
+            self.learner_reports[event.learner] = event
+            self._stop()  # one learner leaving ends training for all (e.g. early stopping)
+        elif event.kind == Kind.ABORT:
+            self._abort(event.error, interrupted=bool(event.flags & Flag.INTERRUPTED))
+        elif event.kind == Kind.FAILED:
+            self._on_broken(event)
 
     def _on_push(self, message: Message) -> None:
         self._cause = message.received_at or time.monotonic()  # answers count their age from here
+        unusable = message.error if message.flags & Flag.UNUSABLE else None
+        contribution = None
+        if unusable is None:
+            contribution = self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
         with self.lock:
             outcome = self.core.push(message.learner, message.version, self._cause,
-                                     gradient=message.payload, loss=message.loss,
-                                     samples=message.samples)
+                                     contribution=contribution, loss=message.loss,
+                                     samples=message.samples, unusable=unusable)
+            self._answer(outcome)
+
+    def _on_broken(self, event: Message) -> None:
+        learner = event.learner
+        if learner in self.learner_reports or self.core.stopped:
+            return  # it left, or is leaving: its connection closing is no fault
+        k, p = self.core.rules.k, self.core.rules.p
+        if self.on_learner_failure != "continue" or k == p:
+            why = "" if self.on_learner_failure != "continue" else (
+                f" (on_learner_failure='continue' needs K < P; K = P = {p}: every update waits "
+                "for every learner)")
+            self._abort(f"learner {learner} died: {event.error}{why}")
+            return
+        log.warning("learner %d died (%s); training goes on without it", learner, event.error)
+        self.endpoint.forget(learner)
+        with self.lock:
+            outcome = self.core.remove_learner(learner, time.monotonic())
             self._answer(outcome)
 
     def _answer(self, outcome: Outcome) -> None:
@@ -91,10 +155,9 @@ class ParameterServer:
             return
         self._send_decision(outcome.decision)
         if outcome.epoch_ended:
-            # The pause for the epoch's end (validation) is no training time.
+            # Everyone validates the server's parameters; the pause is no training time.
             self.core.pause(time.monotonic())
-            if outcome.flush is not None:
-                self._send_decision(outcome.flush)
+            self._broadcast(Kind.EPOCH)
 
     def _send_decision(self, decision: Decision) -> None:
         for learner in decision.refresh:
@@ -110,13 +173,26 @@ class ParameterServer:
             self.core.stop()
             self._broadcast(Kind.STOP)
 
+    def _abort(self, reason: str, interrupted: bool = False) -> None:
+        """The run ends early: every learner is told why."""
+        if self.error is not None:
+            return
+        self.error, self.interrupted = reason, interrupted
+        with self.lock:
+            self.core.stop()
+        for learner in self.core.rules.alive:
+            self.endpoint.send(learner, Message(Kind.ABORT, learner, error=reason,
+                                                flags=Flag.INTERRUPTED if interrupted else 0,
+                                                payload=text_payload(reason)))
+
     # ------------------------------------------------------------------ sending
     def _send(self, learner: int, kind: Kind) -> None:
         core = self.core
         payload = None if kind == Kind.CONTINUE else core.state.snapshot(core.version)
         self.endpoint.send(learner, Message(kind, learner, core.version, core.epoch, payload=payload,
+                                            dead=len(core.rules.counts.dead_learners),
                                             caused_at=self._cause))
 
     def _broadcast(self, kind: Kind) -> None:
-        for learner in range(self.core.rules.p):
+        for learner in self.core.rules.alive:
             self._send(learner, kind)

@@ -10,8 +10,8 @@ The learner on the server's own rank uses in-process queues instead: gloo cannot
 Blocking is kept off the decision loop and away from other learners: every remote learner has
 its own receiving thread and its own sender thread (which drains that learner's outbox), so a
 learner frozen in the middle of a message blocks only its own threads. A sender that falls behind
-sends only the newest message: every message carries the complete state a learner needs
-(parameters, version, epochs ended, stop), see `messages.coalesce`.
+merges what it has queued (`messages.coalesce`). A server with nothing to say sends heartbeats,
+so that learners can tell a silent server from a busy one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_stale.engine.distributed.messages import (HEADER_BYTES, Kind, Message, TransportError,
-                                                         coalesce, decode_header, encode_header)
+                                                         coalesce, decode_header, encode_header,
+                                                         payload_text)
 
 UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and server->learner
 # Payloads up to this size travel inside the header's frame: one gloo message per message
@@ -35,8 +36,11 @@ UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and serve
 # second message, so that they are not copied into a frame.
 INLINE_PAYLOAD_BYTES = 256 * 1024
 FRAME_BYTES = HEADER_BYTES + INLINE_PAYLOAD_BYTES
-# The largest payload a receiver accepts besides the model's own size: a goodbye's delays.
+# The largest payloads a receiver accepts besides the model's own size: a goodbye's delays, and
+# the reason of an abort (utf-8 bytes).
 MAX_REPORT_VALUES = 1 << 26
+MAX_REASON_BYTES = 1 << 16
+_LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these on a downlink
 
 
 def encode(message: Message) -> tuple[Tensor, Tensor | None]:
@@ -94,20 +98,23 @@ class ServerEndpoint:
     Args:
         group: the gloo process group of server traffic (None when P = 1).
         num_learners: P; learner l is global rank l, the server runs on rank 0.
-        deliver: called with every message received (from the receiving threads).
+        deliver: called with every message received (from the receiving threads), and with a
+            FAILED message naming the learner when receiving from it or sending to it breaks.
         local_inbox: the queue of the learner living on rank 0; it pushes through
             `receive_local`.
-        numel: the size of the model's flat vector (a push's payload).
+        max_numel: the largest payload a learner may send (a push with its presence mask).
     """
 
     def __init__(self, group, num_learners: int, deliver: Callable[[Message], None],
-                 local_inbox: queue.Queue, numel: int) -> None:
+                 local_inbox: queue.Queue, max_numel: int) -> None:
         self.group, self.num_learners, self.deliver = group, num_learners, deliver
         self.local_inbox = local_inbox
-        self._max_numel = max(numel, MAX_REPORT_VALUES)
+        self._max_numel = max(max_numel, MAX_REPORT_VALUES)
         # learner -> (pushes received, time.monotonic() of the latest), for `Message.hold`
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
+        self._last_sent = {r: time.monotonic() for r in range(num_learners)}
         self._outboxes = {r: queue.Queue() for r in range(1, num_learners)}
+        self._closed: set[int] = set()  # learners that left, died or were told to stop
         self._threads = []
         for r in self._outboxes:
             self._threads += [
@@ -117,12 +124,31 @@ class ServerEndpoint:
             t.start()
 
     def send(self, learner: int, message: Message) -> None:
+        if learner in self._closed:
+            return
+        self._last_sent[learner] = time.monotonic()
+        if message.kind in _LAST:
+            self._closed.add(learner)
         if learner == 0:
             self._stamp(0, message)
             message.received_at = time.monotonic()
             self.local_inbox.put(message)
         else:
             self._outboxes[learner].put(message)
+
+    def heartbeat(self, interval: float) -> None:
+        """Tell every remote learner that heard nothing for ``interval`` seconds that the server
+        is alive (learners end the run when the server stays silent; see `LearnerEndpoint`)."""
+        now = time.monotonic()
+        for learner in self._outboxes:
+            if now - self._last_sent[learner] >= interval:
+                self.send(learner, Message(Kind.HEARTBEAT, learner))
+
+    def forget(self, learner: int) -> None:
+        """Send nothing more to ``learner`` (it died)."""
+        self._closed.add(learner)
+        if learner in self._outboxes:
+            self._outboxes[learner].put(None)  # ends its sender
 
     def receive_local(self, message: Message) -> None:
         """A message from the learner on the server's own rank."""
@@ -141,17 +167,19 @@ class ServerEndpoint:
         message.age = (now - message.caused_at) if message.caused_at else 0.0
 
     def _receive_loop(self, learner: int) -> None:
-        # Runs until this learner says goodbye; a learner that dies breaks the recv.
+        # Runs until this learner says goodbye or aborts; a learner that dies breaks the recv.
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         try:
             while True:
                 message = recv(self.group, (UP, UP_DATA), learner, f"learner {learner}",
                                self._max_numel, buffer)
                 message.learner = learner
+                if message.kind == Kind.ABORT:
+                    message.error = payload_text(message.payload)
                 self._received(message)
-                if message.kind == Kind.BYE:
+                if message.kind in (Kind.BYE, Kind.ABORT):
                     return
-        except Exception as exc:  # noqa: BLE001 - reported to the server loop, which fails the run
+        except Exception as exc:  # noqa: BLE001 - reported to the server loop, which decides
             self.deliver(Message(Kind.FAILED, learner=learner,
                                  error=f"receiving from learner {learner} failed: {exc}"))
 
@@ -162,19 +190,22 @@ class ServerEndpoint:
                 pending = [outbox.get()]
                 while not outbox.empty():
                     pending.append(outbox.get_nowait())
-                message = coalesce(pending)
-                self._stamp(learner, message)
-                send(message, learner, self.group, (DOWN, DOWN_DATA))
-                if message.kind == Kind.STOP:
+                if None in pending:  # forgotten
                     return
+                for message in coalesce(pending):
+                    self._stamp(learner, message)
+                    send(message, learner, self.group, (DOWN, DOWN_DATA))
+                    if message.kind in _LAST:
+                        return
         except Exception as exc:  # noqa: BLE001
             self.deliver(Message(Kind.FAILED, learner=learner,
                                  error=f"sending to learner {learner} failed: {exc}"))
 
     def join(self, timeout: float) -> list[str]:
         """Wait for the threads; names of those still running after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
         return [t.name for t in self._threads if t.is_alive()]
 
 
@@ -184,14 +215,23 @@ class LearnerEndpoint:
     Args:
         rank: this learner's global rank.
         group: the gloo group of server traffic.
-        numel: the size of the model's flat vector (a parameter payload).
+        max_numel: the largest payload the server may send (parameters and buffers).
         local_server: on rank 0 only, the `ServerEndpoint` on this rank (messages go through
             in-process queues: gloo cannot send to oneself).
+
+    ``last_heard`` is when the server was last heard from (every message counts, heartbeats
+    too), and ``failure`` why the run failed, as soon as the receiving thread knows (an ABORT, a
+    broken connection). Sends are serialised, so another thread may report a failure while the
+    learner pushes.
     """
 
-    def __init__(self, rank: int, group, numel: int, local_server: ServerEndpoint | None = None) -> None:
-        self.rank, self.group, self.numel = rank, group, numel
+    def __init__(self, rank: int, group, max_numel: int, local_server: ServerEndpoint | None = None) -> None:
+        self.rank, self.group = rank, group
+        self._max_numel = max(max_numel, MAX_REASON_BYTES)
         self._local_server = local_server
+        self._send_lock = threading.Lock()
+        self.last_heard = time.monotonic()
+        self.failure: str | None = None
         self.inbox: queue.Queue = local_server.local_inbox if local_server is not None else queue.Queue()
         self._thread = None
         if local_server is None:
@@ -199,23 +239,32 @@ class LearnerEndpoint:
                                             name=f"stale-learner-recv-{rank}")
             self._thread.start()
 
+    @property
+    def local(self) -> bool:
+        return self._local_server is not None
+
     def push(self, message: Message) -> None:
         message.learner = self.rank
         if self._local_server is not None:
             self._local_server.receive_local(message)
-        else:
+            return
+        with self._send_lock:
             send(message, 0, self.group, (UP, UP_DATA))
 
     def _receive_loop(self) -> None:
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         try:
             while True:
-                message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self.numel, buffer)
+                message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self._max_numel, buffer)
+                self.last_heard = message.received_at
+                if message.kind == Kind.ABORT:
+                    message.error = self.failure = payload_text(message.payload)
                 self.inbox.put(message)
-                if message.kind == Kind.STOP:
+                if message.kind in _LAST:
                     return
         except Exception as exc:  # noqa: BLE001 - surfaces in the learner's next wait
-            self.inbox.put(Message(Kind.FAILED, error=f"receiving from the server failed: {exc}"))
+            self.failure = f"receiving from the server failed: {exc}"
+            self.inbox.put(Message(Kind.FAILED, error=self.failure))
 
     def join(self, timeout: float) -> bool:
         if self._thread is not None:

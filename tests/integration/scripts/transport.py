@@ -35,7 +35,7 @@ def describe(m: Message) -> dict:
 
 def server(group, out: str) -> None:
     events: queue.Queue = queue.Queue()
-    endpoint = ServerEndpoint(group, 2, events.put, queue.Queue(), numel=LARGE.numel())
+    endpoint = ServerEndpoint(group, 2, events.put, queue.Queue(), max_numel=LARGE.numel())
     received = [events.get(timeout=60), events.get(timeout=60)]  # two pushes
     time.sleep(HOLD)  # the answer is caused by the first push: its age covers the hold and more
     endpoint.send(1, Message(Kind.PARAMS, version=1, payload=SMALL.clone(), caused_at=received[0].received_at))
@@ -46,7 +46,7 @@ def server(group, out: str) -> None:
 
 
 def learner(group, out: str) -> None:
-    endpoint = LearnerEndpoint(1, group, numel=LARGE.numel())
+    endpoint = LearnerEndpoint(1, group, max_numel=LARGE.numel())
     endpoint.push(Message(Kind.PUSH, version=0, samples=8, loss=0.5, payload=SMALL.clone()))
     endpoint.push(Message(Kind.PUSH, version=0, samples=9, loss=0.25, payload=LARGE.clone()))
     sent = time.monotonic()

@@ -1,0 +1,163 @@
+"""Ending a run promptly on every process when something fails or a signal arrives.
+
+Three pieces, each undone in the strategy's teardown:
+
+* `SignalTrap` replaces Lightning's SIGTERM handler (which broadcasts a flag on the default
+  process group from inside the handler: learners running at their own pace cannot join that
+  collective, so the process hangs) and Python's SIGINT default. The handler only records the
+  signal; the `Watchdog` reports it to the server, which stops every learner.
+* `Watchdog`, a thread per process, reports a trapped signal, and ends the process when the run
+  has failed but the main thread cannot notice (stuck in a collective with a dead or frozen
+  peer, or in a very long step): after ``grace`` seconds without the main thread raising, and
+  after ``exit_grace`` more seconds for Lightning's exception handling (``on_exception`` hooks,
+  `OnExceptionCheckpoint`), it prints the reason and exits with status 1.
+* `watched_launcher`: Lightning's popen launcher with its child observer (which kills every
+  process 0 to 5 s after any child exits) replaced by `ChildWatch`, which gives the processes
+  ``grace`` seconds to end by the protocol first, and tolerates learners that die once training
+  has started when the run is meant to go on without them (``on_learner_failure="continue"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+TRAPPED = (signal.SIGTERM, signal.SIGINT)
+
+
+class SignalTrap:
+    """Records SIGTERM and SIGINT instead of acting on them (see the module docstring)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.reason: str | None = None
+        self._saved: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for signum in TRAPPED:
+            self._saved[signum] = signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        if self.reason is None:
+            self.reason = f"{signal.Signals(signum).name} on rank {self.rank}"
+
+    def restore(self) -> None:
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+        self._saved.clear()
+
+
+class Watchdog(threading.Thread):
+    """See the module docstring.
+
+    Args:
+        trap: the signal trap of this process.
+        report: tells the server that this process was interrupted (called with the reason).
+        failure: the run's failure as this process knows it (None while all is well).
+        acknowledged: whether the main thread has raised the failure.
+    """
+
+    def __init__(self, trap: SignalTrap, report: Callable[[str], None],
+                 failure: Callable[[], str | None], acknowledged: Callable[[], bool],
+                 grace: float = 5.0, exit_grace: float = 30.0) -> None:
+        super().__init__(daemon=True, name="stale-watchdog")
+        self.trap, self.report, self.failure, self.acknowledged = trap, report, failure, acknowledged
+        self.grace, self.exit_grace = grace, exit_grace
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        reported = False
+        failed_at = acknowledged_at = None
+        while not self._stop.wait(0.1):
+            if self.trap.reason is not None and not reported:
+                reported = True
+                try:
+                    self.report(self.trap.reason)
+                except Exception as exc:  # noqa: BLE001 - the server may be gone already
+                    log.warning("could not report %s to the server: %s", self.trap.reason, exc)
+            reason = self.failure()
+            if reason is None:
+                continue
+            now = time.monotonic()
+            failed_at = failed_at or now
+            if self.acknowledged():
+                acknowledged_at = acknowledged_at or now
+                if now - acknowledged_at > self.exit_grace:
+                    self._exit(reason, "still running after the failure was raised")
+            elif now - failed_at > self.grace:
+                self._exit(reason, "the training thread cannot stop (blocked in a collective or a step)")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @staticmethod
+    def _exit(reason: str, why: str) -> None:
+        print(f"lightning_stale: ending this process ({why}): {reason}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+class ChildWatch(threading.Thread):
+    """Lightning's child-process observer with a grace period and, optionally, tolerance for
+    learners that die once training has started (see the module docstring)."""
+
+    def __init__(self, children: list[subprocess.Popen], tolerate: Callable[[], bool],
+                 grace: float = 10.0) -> None:
+        super().__init__(daemon=True, name="stale-child-watch")
+        self.children, self.tolerate, self.grace = children, tolerate, grace
+
+    def run(self) -> None:
+        failed_at = None
+        tolerated: set[int] = set()
+        while True:
+            time.sleep(0.5)
+            codes = [child.poll() for child in self.children]
+            if all(code == 0 for code in codes):
+                return
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0) and i not in tolerated]
+            if not failed:
+                continue
+            if self.tolerate():
+                for i in failed:
+                    log.warning("learner process %d (rank %d) ended with status %s; the run goes on",
+                                self.children[i].pid, i + 1, codes[i])
+                tolerated.update(failed)
+                continue
+            failed_at = failed_at or time.monotonic()
+            if time.monotonic() - failed_at > self.grace:
+                for child in self.children:
+                    if child.poll() is None:
+                        child.kill()
+                os.kill(os.getpid(), signal.SIGKILL)
+                return
+
+
+def watched_launcher(launcher: Any, tolerate: Callable[[], bool]) -> Any:
+    """``launcher`` (Lightning's popen launcher, of either namespace) with `ChildWatch` in
+    place of Lightning's observer; other launchers are returned as they are."""
+    module = sys.modules.get(type(launcher).__module__)
+    if module is None or type(launcher).__name__ != "_SubprocessScriptLauncher":
+        return launcher
+    set_threads = importlib.import_module(module.__name__).__dict__.get("_set_num_threads_if_needed")
+
+    def launch(self: Any, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        # Lightning's launch, with our observer.
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            ChildWatch(self.procs, tolerate).start()
+        if set_threads is not None:
+            set_threads(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    launcher.launch = launch.__get__(launcher)
+    return launcher

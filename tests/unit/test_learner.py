@@ -1,0 +1,271 @@
+"""The learner's side of the protocol, with a fake endpoint: pushes, cancellations, delays in
+both modes, epoch pauses that carry work over, validation on the server's parameters, and the
+ways a run fails."""
+
+import queue
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message
+from lightning_stale.engine.state import ModelVectors
+
+
+class FakeLearnerEndpoint:
+    local = False
+
+    def __init__(self, rank=1):
+        self.rank, self.inbox, self.pushed = rank, queue.Queue(), []
+        self.answer = None  # message to answer every push with
+        self.round_trip = None  # (wire seconds, server hold seconds): stamp answers like the server
+        self.last_heard = time.monotonic()
+        self.failure = None
+
+    def push(self, message):
+        self.pushed.append(message)
+        if self.answer is not None and message.kind == Kind.PUSH:
+            answer = replace(self.answer)
+            if self.round_trip is not None:
+                wire, hold = self.round_trip
+                pushes = sum(m.kind == Kind.PUSH for m in self.pushed)
+                time.sleep(wire + hold)
+                answer.pushes, answer.hold, answer.received_at = pushes, hold, time.monotonic()
+            self.inbox.put(answer)
+
+    def join(self, timeout):
+        return True
+
+
+class Delay:
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def sample(self, learner):
+        return self.seconds
+
+
+def make_learner(delay=None, **options):
+    module = nn.Linear(2, 1, bias=False)
+    module.weight.grad = torch.ones_like(module.weight)
+    endpoint = FakeLearnerEndpoint()
+    learner = Learner(endpoint, ModelVectors.of(module), delay, **options)
+    endpoint.inbox.put(Message(Kind.PARAMS, version=0, payload=torch.zeros(2)))
+    learner.wait_for_parameters()
+    return learner, endpoint, module
+
+
+def step(learner, started_at=None, **kwargs):
+    learner.step(loss=0.5, samples=4, started_at=time.monotonic() if started_at is None else started_at,
+                 **kwargs)
+
+
+def test_learner_pushes_then_loads_the_answer():
+    learner, endpoint, module = make_learner()
+    endpoint.answer = Message(Kind.PARAMS, version=5, payload=torch.tensor([1.0, 2.0]))
+    step(learner)
+    (pushed,) = endpoint.pushed
+    assert (pushed.kind, pushed.version, pushed.samples, pushed.loss) == (Kind.PUSH, 0, 4, 0.5)
+    assert pushed.payload.tolist() == [1.0, 1.0] and pushed.flags == 0  # the gradient, no mask
+    assert learner.version == 5 and module.weight.tolist() == [[1.0, 2.0]]
+
+
+def test_a_message_during_computation_cancels_the_push():
+    learner, endpoint, _ = make_learner()
+    endpoint.inbox.put(Message(Kind.PARAMS, version=3, payload=torch.ones(2)))
+    step(learner)
+    assert endpoint.pushed == [] and learner.cancelled == 1 and learner.version == 3
+
+
+def test_a_cancellation_interrupts_the_injected_delay_promptly():
+    learner, endpoint, _ = make_learner(delay=Delay(5.0))
+    threading.Timer(0.1, endpoint.inbox.put, [Message(Kind.PARAMS, version=1, payload=torch.ones(2))]).start()
+    start = time.monotonic()
+    step(learner)
+    assert time.monotonic() - start < 2.0 and endpoint.pushed == [] and learner.cancelled == 1
+    assert learner.delays == [5.0]  # the draw is recorded even though it was cut short
+
+
+def test_heartbeats_do_not_interrupt_a_delay():
+    learner, endpoint, _ = make_learner(delay=Delay(0.3))
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    threading.Timer(0.1, endpoint.inbox.put, [Message(Kind.HEARTBEAT)]).start()
+    start = time.monotonic()
+    step(learner)
+    assert time.monotonic() - start >= 0.3 and len(endpoint.pushed) == 1
+
+
+def test_a_k_batch_sync_learner_pushes_without_waiting_for_an_answer():
+    learner, endpoint, _ = make_learner(waits_for_answer=False)
+    step(learner)
+    step(learner)  # would block forever if it waited
+    assert [m.version for m in endpoint.pushed] == [0, 0] and learner.cancelled == 0
+
+
+def test_an_overflowing_gradient_is_pushed_as_unusable_without_its_payload():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    step(learner, unusable="overflow")
+    (pushed,) = endpoint.pushed
+    assert pushed.flags & Flag.UNUSABLE and pushed.error == "overflow" and pushed.payload is None
+
+
+def test_a_total_delay_counts_the_time_already_spent_on_the_mini_batch():
+    learner, endpoint, _ = make_learner(delay=Delay(0.6), delay_is_total=True)
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    learner.clock._start = time.monotonic() - 0.5  # the computation took 0.5 s of the 0.6 s
+    start = time.monotonic()
+    step(learner)
+    assert time.monotonic() - start < 0.4 and learner.delays == [0.6]
+    learner.clock.total = False  # added after the computation: the whole 0.6 s
+    start = time.monotonic()
+    step(learner)
+    assert time.monotonic() - start >= 0.6
+
+
+def test_the_learner_measures_its_message_latency_without_the_servers_hold():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    endpoint.round_trip = (0.004, 0.030)  # 4 ms on the wire, 30 ms waiting at the server
+    for _ in range(3):
+        step(learner)
+    assert learner.clock.latency.mean == pytest.approx(0.004, abs=0.002)
+    endpoint.inbox.put(Message(Kind.PARAMS, version=1, payload=torch.ones(2), pushes=3, hold=0.0,
+                               received_at=time.monotonic() + 5.0))
+    step(learner)  # a second message for push 3: not a sample
+    assert learner.clock.latency.mean == pytest.approx(0.004, abs=0.002)
+
+
+def test_a_total_delay_also_covers_the_measured_message_latency():
+    learner, endpoint, _ = make_learner(delay=Delay(0.5), delay_is_total=True)
+    learner.clock.latency.observe(0.3)  # the downlink that started this mini-batch and the uplink
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    step(learner)  # started on w_0: no message ahead of it
+    start = time.monotonic()
+    step(learner)  # started on the answer to the first push
+    assert 0.15 <= time.monotonic() - start < 0.4
+    # The server took 0.1 s to send the message that starts the next mini-batch: that counts too.
+    endpoint.answer = Message(Kind.CONTINUE, version=0, age=0.1)
+    step(learner)
+    start = time.monotonic()
+    step(learner)
+    assert 0.05 <= time.monotonic() - start < 0.3  # 0.5 - 0.3 (round trip) - 0.1 (age)
+    # A K-batch-sync learner goes on right after its own push: no downlink started its next
+    # mini-batch, and its uplinks cancel out between consecutive pushes, so nothing is taken off.
+    learner.waits_for_answer, endpoint.answer = False, None
+    step(learner)
+    start = time.monotonic()
+    step(learner)
+    assert time.monotonic() - start >= 0.45
+
+
+# ---------------------------------------------------------------- epoch pauses
+def epoch_end(epoch=1, payload=(9.0, 9.0)):
+    return Message(Kind.EPOCH, version=0, epoch=epoch, payload=torch.tensor(payload))
+
+
+def test_an_epoch_end_carries_the_delayed_mini_batch_into_the_next_epoch():
+    learner, endpoint, _ = make_learner(delay=Delay(0.4))
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    threading.Timer(0.1, endpoint.inbox.put, [epoch_end()]).start()
+    step(learner)  # paused 0.1 s into its 0.4 s delay
+    assert endpoint.pushed == [] and learner.paused and learner.epoch_over(0)
+    assert learner.cancelled == 0 and learner.carried is not None
+    time.sleep(0.3)  # the pause (validation) does not count toward the delay
+    start = time.monotonic()
+    learner.resume()
+    assert 0.25 <= time.monotonic() - start < 0.45  # the remaining 0.3 s, then the push
+    assert [m.kind for m in endpoint.pushed] == [Kind.PUSH] and not learner.paused
+
+
+def test_an_answer_still_awaited_at_an_epoch_end_is_awaited_after_it():
+    learner, endpoint, module = make_learner()
+    endpoint.answer = epoch_end()  # the epoch ends before the answer comes
+    step(learner)
+    assert len(endpoint.pushed) == 1 and learner.carried.push is None
+    endpoint.inbox.put(Message(Kind.PARAMS, version=4, payload=torch.tensor([3.0, 3.0])))
+    learner.resume()
+    assert learner.version == 4 and module.weight.tolist() == [[3.0, 3.0]]
+
+
+def test_a_mini_batch_started_after_the_epoch_end_is_discarded_and_counted():
+    learner, endpoint, _ = make_learner()
+    endpoint.inbox.put(epoch_end())
+    step(learner)  # computing when the epoch ended: carried
+    step(learner)  # the loader's prefetched batch, started during the pause
+    assert learner.cancelled == 1 and endpoint.pushed == []
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    learner.resume()
+    assert len(endpoint.pushed) == 1  # the carried one
+
+
+def test_validation_runs_on_the_servers_parameters_then_training_on_the_learners():
+    learner, endpoint, module = make_learner()
+    endpoint.inbox.put(epoch_end(payload=(7.0, 8.0)))
+    step(learner)
+    learner.enter_validation()
+    assert module.weight.tolist() == [[7.0, 8.0]]
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    learner.resume()
+    assert module.weight.tolist() == [[0.0, 0.0]]  # its own w_0 again
+
+
+# ---------------------------------------------------------------- failures and leaving
+def test_an_abort_raises_the_servers_reason():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.ABORT, error="learner 2 failed: ValueError: bad batch")
+    with pytest.raises(ServerFailed, match="learner 2 failed: ValueError: bad batch"):
+        step(learner)
+    assert learner.failure == "learner 2 failed: ValueError: bad batch"
+
+
+def test_an_interruption_raises_run_interrupted():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.ABORT, flags=Flag.INTERRUPTED, error="SIGTERM on rank 3")
+    with pytest.raises(RunInterrupted, match="SIGTERM on rank 3"):
+        step(learner)
+
+
+def test_a_silent_server_is_taken_for_dead():
+    learner, endpoint, _ = make_learner(server_timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(ServerFailed, match="no message from the server"):
+        step(learner)  # pushes, then waits for an answer that never comes
+    assert time.monotonic() - start < 2.0
+    assert "no message from the server" in learner.failure
+
+
+def test_learner_fails_loudly_when_the_transport_breaks():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.FAILED, error="receiving from the server failed: reset")
+    with pytest.raises(ServerFailed, match="reset"):
+        step(learner)
+
+
+def test_close_says_goodbye_with_the_delays_and_waits_for_stop():
+    learner, endpoint, _ = make_learner(delay=Delay(0.0))
+    endpoint.answer = Message(Kind.CONTINUE, version=0)
+    step(learner)
+    endpoint.inbox.put(Message(Kind.STOP, version=0, payload=torch.zeros(2)))
+    learner.close(timeout=5.0)
+    bye = endpoint.pushed[-1]
+    assert bye.kind == Kind.BYE and bye.payload.tolist() == [0.0] and learner.stopped
+    assert bye.cancelled == learner.cancelled == 0
+
+
+def test_close_gives_up_with_an_error_instead_of_hanging():
+    learner, _, _ = make_learner()
+    with pytest.raises(ServerFailed, match="no stop from the server within 0.2 s"):
+        learner.close(timeout=0.2)
+
+
+def test_abort_tells_the_server_why():
+    learner, endpoint, _ = make_learner()
+    learner.abort("SIGINT on rank 1", interrupted=True)
+    (message,) = endpoint.pushed
+    assert message.kind == Kind.ABORT and message.flags == Flag.INTERRUPTED
+    assert bytes(message.payload.tolist()).decode() == "SIGINT on rank 1"
