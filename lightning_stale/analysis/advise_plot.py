@@ -61,9 +61,8 @@ def plot_advice(advice: Advice) -> Figure:
         curves.plot(run.times, smoothed, color=color, lw=2.0 if run is best else 1.0,
                     label=run.label if run is best or run.adaptive else None)
     if any(math.isnan(advice.time_of(run)) for run in runs):
-        tradeoff.axvline(advice.budget_s, color="grey", ls=":", lw=1)
-        tradeoff.text(advice.budget_s, tradeoff.get_ylim()[1], " budget: target missed (hollow)",
-                      fontsize=7, va="top", ha="right", rotation=90, color="grey")
+        tradeoff.axvline(advice.budget_s, color="grey", ls=":", lw=1,
+                         label="end of budget (hollow: target missed)")
     tradeoff.set_xlabel(f"time to training loss {advice.target:.4g} (simulated seconds)")
     tradeoff.set_ylabel("final training loss (mean of the last 20% of updates)")
     tradeoff.set_title(f"Error-runtime trade-off, P={advice.p}, {advice.fitted.best.name} "
