@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_stale.analysis.runs import measured_update_time
 from lightning_stale.analysis.sweeps import K_VARIANTS, Sweep, SweepRun, configurations
 from lightning_stale.config import ConfigError, compose_config
 from lightning_stale.delays import DelayModel, Empirical, FitResult, Trace, fit
@@ -104,7 +105,7 @@ class Advice:
         return [{"rank": i, "variant": run.variant, "k": run.k,
                  "time_to_target_s": self.time_of(run), "final_error": run.final_error,
                  "updates": len(run.times), "gradients": run.pushes,
-                 "s_per_update": self.budget_s / max(len(run.times), 1),
+                 "s_per_update": measured_update_time(run.times, self.p),
                  "E[T]_s": self.expected_time(run.variant, run.k)}
                 for i, run in enumerate(self.ranked(), start=1)]
 
@@ -170,9 +171,19 @@ def advise(trace: Trace | str | os.PathLike, p: int | None = None, *, column: st
             P equals the number of recorded learners, else pooled.
         sweep, adaptive: run the sweeps; run the AdaSync check.
         et_updates: server updates of each Monte Carlo E[T].
+        discard_first: values left out at the start of every learner's record (warm-up) by the
+            fit and the empirical law ("trace" replays the file as it is).
+        seed: seeds the fitted and empirical laws and the Monte Carlo E[T].
     """
     if replay not in REPLAYS:
         raise ValueError(f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
+    if not isinstance(trace, (Trace, str, os.PathLike)):
+        raise ValueError(f"advise needs a trace CSV path or a Trace, got {trace!r}")
+    for name, value in (("pushes", pushes), ("window", window)):
+        if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if target is not None and not math.isfinite(float(target)):
+        raise ValueError(f"target must be a finite training loss, got {target!r}")
     fitted = fit(trace, column=column, discard_first=discard_first, seed=seed)
     recorded = Trace(fitted.source, column=fitted.column, on_exhausted="cycle")
     p = len(recorded.learners) if p is None else p
@@ -180,7 +191,8 @@ def advise(trace: Trace | str | os.PathLike, p: int | None = None, *, column: st
         raise ValueError(f"the number of learners p must be an integer >= 1, got {p!r}")
     if per_learner is None:
         per_learner = p == len(recorded.learners)
-    empirical = Empirical(recorded, column=fitted.column, per_learner=per_learner, seed=seed)
+    empirical = Empirical(recorded, column=fitted.column, per_learner=per_learner, seed=seed,
+                          discard_first=discard_first)
     replayed = {"empirical": empirical, "fitted": fitted.model, "trace": recorded}[replay]
     for model in (fitted.model, empirical, replayed):
         model.check_learners(p)
@@ -298,7 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="values dropped at the start of each learner's record (default: 0)")
     parser.add_argument("--et-updates", type=int, default=5000,
                         help="server updates of each Monte Carlo E[T] (default: 5000)")
-    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the fitted and resampled laws and of the Monte Carlo E[T] "
+                             "(default: 0; the training seed is the config's: --override seed=1)")
     parser.add_argument("--out", default="advice",
                         help="folder for the tables and the figure (default: advice)")
     args = parser.parse_args(argv)

@@ -98,8 +98,9 @@ class SweepRun:
 
     @property
     def label(self) -> str:
-        return f"{self.variant} AdaSync from K={self.k}" if self.adaptive else \
-            f"{self.variant} K={self.k}"
+        if self.adaptive:
+            return f"{self.variant} AdaSync from K={self.k}"
+        return f"{self.variant} K={self.k}"
 
     def smoothed(self, window: int) -> np.ndarray:
         """The smoothed loss at each update (module docstring)."""

@@ -274,12 +274,13 @@ class Empirical(DelayModel):
             machines; every learner that draws needs a record).
         seed: each learner's draws come from ``numpy.random.default_rng([seed, learner])``, as
             for the other random models; ``reset()`` restarts them.
+        discard_first: values left out at the start of every learner's record (warm-up).
     """
 
-    _fields = ("path", "column", "per_learner", "seed")
+    _fields = ("path", "column", "per_learner", "seed", "discard_first")
 
     def __init__(self, path: str | os.PathLike | Trace, column: str = "delay_s",
-                 per_learner: bool = False, seed: int = 0) -> None:
+                 per_learner: bool = False, seed: int = 0, discard_first: int = 0) -> None:
         if isinstance(path, Trace):
             if column != path.column:
                 path = Trace(path.path, column=column)
@@ -287,11 +288,19 @@ class Empirical(DelayModel):
         else:
             self.path = os.fspath(path)
             records = read_trace(Path(self.path), column)[1]
+        if isinstance(discard_first, bool) or int(discard_first) != discard_first \
+                or discard_first < 0:
+            raise ValueError(f"discard_first must be an integer >= 0, got {discard_first!r}")
         self.column = column
         self.per_learner = bool(per_learner)
         self.seed = _check_seed(seed)
-        self._records = {learner: np.asarray(values, dtype=float)
-                         for learner, values in records.items()}
+        self.discard_first = int(discard_first)
+        self._records = {learner: np.asarray(values[self.discard_first:], dtype=float)
+                         for learner, values in records.items()
+                         if len(values) > self.discard_first}
+        if not self._records:
+            raise ValueError(f"{self.path}: no {column} values left after discarding the first "
+                             f"{self.discard_first} of every learner")
         self._pooled = np.concatenate([self._records[l] for l in sorted(self._records)])
         self._streams: dict[int, tuple[np.random.Generator, list[float]]] = {}
 

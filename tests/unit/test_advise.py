@@ -106,6 +106,9 @@ def test_command_line_on_a_small_trace(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(trace), "--learners", "0", "--no-sweep"])
     assert "the number of learners p must be an integer >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(trace), "--pushes", "0", "--no-sweep"])
+    assert "pushes must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -115,7 +118,7 @@ def test_digits_recommendation_matches_an_exhaustive_sweep(tmp_path):
     true = ShiftedExponential(0.01, 0.05, seed=5)
     trace = recorded_trace(tmp_path / "t.csv", true, 4, 300)
     advice = advise(trace, 4, overrides=["model.lr=0.3"], pushes=600, adaptive=False,
-                    et_updates=2000, progress=None)
+                    et_updates=500, progress=None)
     chosen = advice.best
     assert chosen is not None
     truth = Sweep(compose_config("train", ["model.lr=0.3", "seed=1"]), 4,

@@ -171,6 +171,10 @@ def test_empirical_resamples_recorded_values_with_per_learner_streams(tmp_path):
     pooled.check_learners(5)  # pooled: any number of learners
     with pytest.raises(ValueError, match=r"no common mean"):
         own.mean
+    warm = Empirical(path, per_learner=True, discard_first=1)
+    assert warm.values(0).tolist() == [0.2, 0.3] and warm.values(1).tolist() == [2.0]
+    with pytest.raises(ValueError, match=r"no delay_s values left after discarding the first 3"):
+        Empirical(path, discard_first=3)
     model = instantiate(OmegaConf.create({"_target_": "lightning_stale.delays.Empirical",
                                           "path": str(path), "per_learner": True, "seed": 1}))
     assert model.per_learner and model.learners == [0, 1]
