@@ -6,8 +6,10 @@ theory, and a virtual-clock twin of the engine for sweeps.
 """
 
 from lightning_stale.strategies.callbacks import WallClockLogger
+from lightning_stale.strategies.timing import MiniBatchTimer
 from lightning_stale.strategies import SimulatedStaleStrategy, StaleStrategy
 from lightning_stale.method.variants import VARIANT_NAMES, Variant
 
-__all__ = ["SimulatedStaleStrategy", "StaleStrategy", "Variant", "VARIANT_NAMES", "WallClockLogger"]
+__all__ = ["MiniBatchTimer", "SimulatedStaleStrategy", "StaleStrategy", "Variant", "VARIANT_NAMES",
+           "WallClockLogger"]
 __version__ = "0.1.0"
