@@ -11,7 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from lightning_stale.analysis.plot import COLORMAPS, LABEL_OFFSETS, MARKERS
-from lightning_stale.analysis.runs import VARIANT_TITLES
+from lightning_stale.method.variants import kind_of
 
 if TYPE_CHECKING:
     from lightning_stale.analysis.advise import Advice
@@ -43,7 +43,7 @@ def plot_advice(advice: Advice) -> Figure:
         missed = math.isnan(time_s)
         x = advice.budget_s if missed else time_s
         color = run_color(run, advice.p)
-        title = "AdaSync" if run.adaptive else VARIANT_TITLES.get(run.variant, run.variant)
+        title = "AdaSync" if run.adaptive else kind_of(run.variant).title
         tradeoff.scatter([x], [run.final_error], s=60, marker="*" if run.adaptive else
                          MARKERS.get(run.variant, "o"), edgecolors=color,
                          facecolors="none" if missed else [color],

@@ -173,7 +173,7 @@ class Sweep:
             strategy = SimulatedStaleStrategy(variant, None if adaptive_k else k,
                                               delay=copy.deepcopy(self.delay),
                                               num_learners=self.p, adaptive_k=adaptive_k,
-                                              seed=int(self.config.seed), flush_at_epoch_end=False)
+                                              seed=int(self.config.seed))
             trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=-1,
                               max_steps=self.max_updates, logger=False,
                               enable_checkpointing=False, enable_progress_bar=False,

@@ -81,7 +81,7 @@ def test_simulated_engine_records_the_real_computation_of_every_push(tmp_path):
     trainer = Trainer(max_steps=8, strategy=strategy, callbacks=[Sleep(0.002), timer], **QUIET)
     trainer.fit(BoringModel())
     rows = read(timer.written)[1]
-    assert len(rows) == trainer.global_step == strategy.stats["gradients_received"]
+    assert len(rows) == strategy.stats["gradients_received"] >= 2 * trainer.global_step == 16
     assert fit(timer.written).n == len(rows)
 
 
