@@ -17,11 +17,13 @@ from lightning_stale.method.rules import Decision, ServerRules
 
 @dataclass(frozen=True)
 class Finish:
-    """Learner ``learner`` finishes a mini-batch computed at ``version`` at virtual ``time``."""
+    """Learner ``learner`` finishes a mini-batch computed at ``version`` at virtual ``time``; it
+    started at ``started``, so its time X is ``time - started``."""
 
     time: float
     learner: int
     version: int
+    started: float = 0.0
 
 
 class VirtualCluster:
@@ -38,7 +40,7 @@ class VirtualCluster:
         self.delay = delay
         self.compute_time = compute_time
         self.now = 0.0
-        self._heap: list[tuple[float, int, int, int]] = []  # (time, seq, learner, generation)
+        self._heap: list[tuple[float, int, int, int, float]] = []  # (time, seq, learner, generation, start)
         self._generation = [0] * rules.p
         self._seq = 0
         for learner in range(rules.p):
@@ -48,16 +50,16 @@ class VirtualCluster:
         # A new generation invalidates whatever the learner was computing before (cancellation).
         self._generation[learner] += 1
         finish = self.now + self.compute_time + self.delay.sample(learner)
-        heapq.heappush(self._heap, (finish, self._seq, learner, self._generation[learner]))
+        heapq.heappush(self._heap, (finish, self._seq, learner, self._generation[learner], self.now))
         self._seq += 1
 
     def next_finish(self) -> Finish:
         """Advance the clock to the next mini-batch that completes (cancelled ones are skipped)."""
         while self._heap:
-            time, _, learner, generation = heapq.heappop(self._heap)
+            time, _, learner, generation, started = heapq.heappop(self._heap)
             if generation == self._generation[learner]:
                 self.now = time
-                return Finish(time, learner, self.rules.learner_version(learner))
+                return Finish(time, learner, self.rules.learner_version(learner), started)
         raise RuntimeError("no learner is computing: every learner waits, which the rules never allow")
 
     def apply(self, decision: Decision) -> None:

@@ -110,6 +110,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._batch_samples = 0
         self._epoch = 0
         self._loaders_made = 0
+        self.minibatch_times: list[float] = []  # each push's virtual X (MiniBatchTimer reads it)
 
     @property
     @override
@@ -239,6 +240,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             contribution = None if overflow else self._learner_view.split_push(*self._learner_view.push_vector())
             server.push(finish, contribution, float(loss), self._batch_samples,
                         unusable="overflow" if overflow else None)
+            self.minibatch_times.append(finish.time - finish.started)  # X, for MiniBatchTimer
         set_global_step(self.lightning_module.trainer, server.updates)
         return loss
 

@@ -153,6 +153,7 @@ class StaleStrategy(ServerStrategyMixin):
         self._batch_samples = 0
         self._batch_started = 0.0
         self._epoch = 0
+        self.minibatch_times: list[float] = []  # each push's X as the server saw it (NaN: none)
 
     @property
     def num_learners(self) -> int:
@@ -329,6 +330,7 @@ class StaleStrategy(ServerStrategyMixin):
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
             self._guarded(self._learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
+            self.minibatch_times.append(self._learner.last_x)  # X, for MiniBatchTimer
         self._batch_samples = 0
         set_global_step(trainer, max(self._learner.version, 0))
         if self._learner.stopped:

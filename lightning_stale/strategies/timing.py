@@ -27,7 +27,9 @@ Optional strategy protocol ``minibatch_times``: a strategy may have an attribute
 ``minibatch_times``, a list to which it appends, on each rank, the whole time X in seconds of each
 of this rank's mini-batches as the server saw it, one number per training batch, in order (NaN
 when not known, e.g. for cancelled work). The timer pairs the one value appended during a
-training batch with that batch's row. No engine fills it yet.
+training batch with that batch's row. `StaleStrategy` fills it (X from the event that started
+the mini-batch to its push's arrival, as ``delay_mode="total"`` measures it), and so does
+`SimulatedStaleStrategy` (the virtual X).
 
 Ranks run at their own pace under the parameter-server engines, so nothing is exchanged during
 training: each rank keeps its rows, and at ``on_fit_end`` (after the strategy's teardown, every

@@ -14,7 +14,7 @@ from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.strategies import SingleDeviceStrategy
 
 from lightning_stale import SimulatedStaleStrategy
-from lightning_stale.delays import Trace, fit
+from lightning_stale.delays import Exponential, Trace, fit
 from lightning_stale.strategies.timing import MINIBATCH_COLUMNS, MiniBatchTimer
 
 logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
@@ -74,14 +74,20 @@ def test_x_reported_by_the_strategy_fills_total_and_delay(tmp_path):
     assert Trace(timer.written, column="total_s").delays_of(0) == (1.0, 2.0, 3.0, 4.0, 5.0)
 
 
-def test_simulated_engine_records_the_real_computation_of_every_push(tmp_path):
+def test_simulated_engine_records_every_push_with_its_virtual_x(tmp_path):
     torch.manual_seed(0)
     timer = MiniBatchTimer(tmp_path)
-    strategy = SimulatedStaleStrategy("k_async", 2, num_learners=3)
+    strategy = SimulatedStaleStrategy("k_async", 2, num_learners=3, delay=Exponential(0.1, seed=0))
     trainer = Trainer(max_steps=8, strategy=strategy, callbacks=[Sleep(0.002), timer], **QUIET)
     trainer.fit(BoringModel())
     rows = read(timer.written)[1]
     assert len(rows) == strategy.stats["gradients_received"] >= 2 * trainer.global_step == 16
+    assert all(float(r[3]) >= 0.002 for r in rows)  # compute_s: the real computation
+    delays = Exponential(0.1, seed=0)
+    drawn = [delays.sample(learner) for learner in range(3) for _ in range(40)]
+    # total_s: the virtual X of each push, one of the simulated learners' draws
+    assert all(min(abs(float(r[4]) - d) for d in drawn) < 1e-12 for r in rows)
+    assert [r[2] for r in rows] == [r[4] for r in rows]  # delay_s replays X where it is known
     assert fit(timer.written).n == len(rows)
 
 

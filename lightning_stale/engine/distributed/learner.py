@@ -103,6 +103,11 @@ class MiniBatchClock:
         """The next mini-batch began with the latest server message, or with our own push."""
         self._start = self._last_event if started_by_server else self._pushed_at
 
+    def elapsed(self) -> float:
+        """The current mini-batch's time so far, as the server will see it at its push's arrival
+        (its start includes the uplink to come)."""
+        return time.monotonic() - self._start
+
     def remaining(self, seconds: float) -> float:
         """What is left of a drawn delay of ``seconds`` at this instant."""
         if not self.total:
@@ -177,6 +182,7 @@ class Learner:
         self.cancelled = 0  # mini-batches computed and never pushed
         self.delays: list[float] = []
         self.pushes = 0
+        self.last_x = math.nan  # the latest pushed mini-batch's time X, as the server saw it
         self.paused_at: float | None = None  # the server ended an epoch; training is paused
         self.carried: _Carried | None = None
         self.dead_learners = 0  # learners the server has lost (on_learner_failure="continue")
@@ -278,6 +284,7 @@ class Learner:
         first. ``started_at``: when Lightning started this mini-batch (``time.monotonic()``);
         ``unusable``: why the gradient cannot be applied (e.g. "overflow"), if so."""
         started_by_server = True
+        self.last_x = math.nan
         try:
             started_by_server = self._step(self._push_message(loss, samples, unusable), started_at)
         finally:
@@ -329,6 +336,7 @@ class Learner:
                 self.carried = work
                 return True
         self.pushes += 1
+        self.last_x = self.clock.elapsed()
         self.clock.pushed()
         self.endpoint.push(work.push)
         if not self.waits_for_answer:
