@@ -56,3 +56,20 @@ def test_train_without_logger(tmp_path, isolated_ddp):
     summary = train(cfg)
     assert summary["log_dir"] is None and summary["updates"] == 3
     assert "val_acc" not in summary
+
+
+def test_tensorboard_logger(tmp_path, isolated_ddp):
+    """logger=tensorboard composes everywhere; with the package installed (the ``tensorboard``
+    extra) a run writes event files and wallclock.csv into tensorboard/version_0."""
+    cfg = compose_config("train", [
+        "race=none", "engine=ddp", "delay=none", "logger=tensorboard", "trainer.devices=1",
+        "trainer.max_steps=4", "trainer.num_sanity_val_steps=0", "validate=false",
+        f"output_dir={tmp_path}"])
+    assert cfg.logger._target_ == "pytorch_lightning.loggers.TensorBoardLogger"
+    assert cfg.logger.save_dir == str(tmp_path)
+    pytest.importorskip("tensorboard", reason="pip install 'lightning-stale[tensorboard]'")
+    summary = train(cfg)
+    log_dir = Path(summary["log_dir"])
+    assert log_dir == tmp_path / "tensorboard" / "version_0"
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    assert [int(row["update"]) for row in read_rows(log_dir / "wallclock.csv")] == [1, 2, 3, 4]
