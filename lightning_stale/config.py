@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,9 +100,20 @@ def validate_config(cfg: DictConfig) -> int | None:
     if missing:
         raise ConfigError(f"missing values (???) for {', '.join(missing)}; set them on the command "
                           f"line, e.g. {missing[0]}=...")
+    _check_logger(cfg.get("logger"))
     if is_race(cfg):
         return validate_race(cfg)
     return _validate_run(cfg)
+
+
+def _check_logger(logger: Any) -> None:
+    # Lightning would only fail when the logger is built, in every process; say it now.
+    if not logger or not str(logger.get("_target_", "")).endswith("TensorBoardLogger"):
+        return
+    if not any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX")):
+        raise ConfigError('logger=tensorboard needs the tensorboard package: pip install '
+                          '"lightning-stale[tensorboard]" (or pip install tensorboard), or use '
+                          'logger=csv')
 
 
 def _validate_run(cfg: DictConfig) -> int | None:

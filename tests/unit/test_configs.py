@@ -8,6 +8,7 @@ data, ...). Every ``_target_`` in the result must accept the keys its config giv
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 from importlib.resources import files
@@ -31,7 +32,7 @@ ADDED_BY_TRAIN = {
     "model": {"input_shape", "num_classes"},
     "trainer": {"strategy", "callbacks", "logger", "default_root_dir"},
 }
-CALLBACKS_PATH = "engine.callbacks"
+TENSORBOARD = any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX"))
 
 
 # ------------------------------------------------------------------ tiny data files
@@ -148,6 +149,10 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(group, option, data_root, tmp_path):
+    if (group, option) == ("logger", "tensorboard") and not TENSORBOARD:
+        with pytest.raises(ConfigError, match=r"pip install \"lightning-stale\[tensorboard\]\""):
+            compose_config("train", needed_overrides(group, option, data_root))
+        return
     cfg = compose_config("train", needed_overrides(group, option, data_root))
     check_all_signatures(cfg)
     instantiate_all(cfg, tmp_path)
