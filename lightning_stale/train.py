@@ -225,7 +225,7 @@ def _quiet_known_warnings() -> None:
     # inside Lightning 2.6 on torch 2.13, and the note that validation under P processes pads
     # the split to a multiple of P (at most P - 1 repeated samples; 1 of 359 on digits).
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    warnings.filterwarnings("ignore", message=r".*Using `DistributedSampler` with the dataloaders.*")
+    warnings.filterwarnings("ignore", message=r".*Using `DistributedSampler` with the dataloaders")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def test_train_in_process(tmp_path, isolated_ddp):
 def test_train_without_logger(tmp_path, isolated_ddp):
     cfg = compose_config("train", [
         "race=none", "engine=ddp", "trainer.devices=1", "trainer.max_steps=3",
-        "trainer.num_sanity_val_steps=0", "logger=none", "validate=false", f"output_dir={tmp_path}"])
+        "trainer.num_sanity_val_steps=0", "logger=none", "validate=false",
+        f"output_dir={tmp_path}"])
     summary = train(cfg)
     assert summary["log_dir"] is None and summary["updates"] == 3
     assert "val_acc" not in summary

@@ -215,7 +215,8 @@ def test_unknown_variant_lists_the_options():
     (["race=none", "variant=sync", "variant.k=2"], r"'sync' means K=P=4"),
     (["race=none", "delay=slow_learners", "delay.learners=[7]"], r"learner 7"),
     (["race=none", "delay=trace"], r"delay\.path"),
-    (["delay=slow_learners", "delay.learners=[7]"], r"race contestant 1 \(sync@server\).*learner 7"),
+    (["delay=slow_learners", "delay.learners=[7]"],
+     r"race contestant 1 \(sync@server\).*learner 7"),
     (["engine=ddp"], r"race contestant 2 \(k_sync:2@ddp\).*engine=ddp runs only variant=sync"),
 ])
 def test_bad_config_fails_before_training(overrides, message, monkeypatch):
