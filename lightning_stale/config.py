@@ -4,18 +4,27 @@ The configs ship inside the package: ``conf/`` as ``lightning_stale.conf`` (the 
 ``train`` and its groups) and ``recipes/`` as ``lightning_stale.recipes`` (ready-made runs whose
 defaults list starts from ``train``). ``compose_config`` finds either kind by name, and
 ``validate_config`` rejects bad combinations before any data is loaded or any process started.
+
+A config is either one run (``race=none``: ``variant`` on ``engine``) or a race (the default,
+``race.contestants`` non-empty): several runs in one launch that differ only in variant, K and
+engine (and any per-contestant ``overrides``). `contestant_configs` expands a race into the
+single-run config of each contestant, which is validated like any single run.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
-from collections.abc import Sequence
+import importlib.util
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Any
 
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from lightning_stale.method.variants import VARIANT_NAMES, Variant
 
@@ -25,6 +34,14 @@ ENGINE_NAMES = ("server", "simulated", "ddp")
 # How each engine is named in errors; the ones not listed are called by their config name.
 _ENGINE_TITLES = {"server": "the parameter-server engine", "simulated": "the simulated engine"}
 _NO_DELAY_TARGETS = ("lightning_stale.delays.NoDelay",)
+# The engines a race contestant may name, by the run's engine: every contestant of one launch
+# must run in the same processes (server and ddp both use Lightning's launcher with P processes;
+# the simulated engine is one process).
+RACE_ENGINES = {"server": ("server", "ddp"), "ddp": ("server", "ddp"), "simulated": ("simulated",)}
+CONTESTANT_KEYS = ("variant", "k", "engine", "label", "overrides")
+# "VARIANT", "VARIANT:K", "VARIANT@ENGINE", "VARIANT:K@ENGINE"
+_CONTESTANT_PATTERN = re.compile(r"^\s*(?P<variant>[a-z_]+)\s*(?::\s*(?P<k>\d+))?\s*"
+                                 r"(?:@\s*(?P<engine>[a-z_]+))?\s*$")
 
 
 class ConfigError(ValueError):
@@ -66,6 +83,7 @@ def compose_config(config_name: str = "train", overrides: Sequence[str] = (),
     with initialize_config_module(config_module=module, version_base=None):
         cfg = compose(config_name=config_name, overrides=overrides)
     if validate:
+        check_race_overrides(cfg, overrides)
         validate_config(cfg)
     return cfg
 
@@ -76,11 +94,29 @@ def validate_config(cfg: DictConfig) -> int | None:
     P (the number of learners) is ``trainer.devices x trainer.num_nodes`` for the process
     engines, ``engine.strategy.num_learners`` for the simulated one; None when devices is left
     to Lightning ("auto" on GPUs), in which case the strategy checks K itself at setup.
+    A race is checked contestant by contestant (`validate_race`).
     """
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"missing values (???) for {', '.join(missing)}; set them on the command "
                           f"line, e.g. {missing[0]}=...")
+    _check_logger(cfg.get("logger"))
+    if is_race(cfg):
+        return validate_race(cfg)
+    return _validate_run(cfg)
+
+
+def _check_logger(logger: Any) -> None:
+    # Lightning would only fail when the logger is built, in every process; say it now.
+    if not logger or not str(logger.get("_target_", "")).endswith("TensorBoardLogger"):
+        return
+    if not any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX")):
+        raise ConfigError('logger=tensorboard needs the tensorboard package: pip install '
+                          '"lightning-stale[tensorboard]" (or pip install tensorboard), or use '
+                          'logger=csv')
+
+
+def _validate_run(cfg: DictConfig) -> int | None:
     engine = cfg.engine.get("name")
     if engine not in ENGINE_NAMES:
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
@@ -88,17 +124,12 @@ def validate_config(cfg: DictConfig) -> int | None:
     if variant not in VARIANT_NAMES:
         raise ConfigError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANT_NAMES)}")
 
-    if engine == "ddp":
-        if variant != "sync":
-            raise ConfigError(
-                f"engine=ddp runs only variant=sync (its all-reduce waits for every learner), got "
-                f"variant={variant}; use engine=server for "
-                f"{', '.join(name for name in VARIANT_NAMES if name != 'sync')}")
-        if not is_no_delay(cfg.get("delay")):
-            raise ConfigError(
-                f"engine=ddp cannot inject straggler delays, got delay "
-                f"{delay_name(cfg.get('delay'))}; use delay=none, or engine=server to simulate "
-                "stragglers")
+    # engine=ddp takes delays too: its InjectedDelay callback sleeps them on every rank.
+    if engine == "ddp" and variant != "sync":
+        raise ConfigError(
+            f"engine=ddp runs only variant=sync (its all-reduce waits for every learner), got "
+            f"variant={variant}; use engine=server for "
+            f"{', '.join(name for name in VARIANT_NAMES if name != 'sync')}")
 
     learners = learner_count(cfg)
     if engine == "simulated" and process_count(cfg) not in (None, 1):
@@ -187,3 +218,156 @@ def strategy_class(cfg: DictConfig) -> type:
         raise EngineNotAvailableError(
             f"{title} is not built yet ({target} cannot be imported); use engine=ddp variant=sync")
     return found
+
+
+# ---------------------------------------------------------------------------- races
+def is_race(cfg: DictConfig) -> bool:
+    """Whether ``cfg`` is a race (``race.contestants`` non-empty) rather than one run."""
+    race = cfg.get("race")
+    return bool(race) and bool(race.get("contestants"))
+
+
+@dataclass(frozen=True)
+class Contestant:
+    """One run of a race: a variant with its K on an engine, with optional config overrides."""
+
+    variant: str
+    k: int | None
+    engine: str
+    label: str | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """A short name for folders and messages, e.g. ``k_sync:2``, ``sync@ddp``."""
+        k = f":{self.k}" if self.k is not None else ""
+        return f"{self.variant}{k}@{self.engine}"
+
+
+def parse_contestant(spec: Any, engine: str, index: int) -> Contestant:
+    """A contestant from ``"VARIANT[:K][@ENGINE]"`` or a mapping of `CONTESTANT_KEYS`;
+    ``engine`` is the run's engine, the default. ``index`` (from 1) only names it in errors."""
+    where = f"race.contestants[{index - 1}]"
+    if isinstance(spec, str):
+        match = _CONTESTANT_PATTERN.match(spec)
+        if match is None:
+            raise ConfigError(f"{where}={spec!r} is not a contestant: write VARIANT, VARIANT:K, "
+                              "VARIANT@ENGINE or VARIANT:K@ENGINE, e.g. k_async:2 or sync@ddp")
+        fields = {key: value for key, value in match.groupdict().items() if value is not None}
+    elif isinstance(spec, (Mapping, DictConfig)):
+        fields = dict(OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
+                      else spec)
+        unknown = sorted(set(fields) - set(CONTESTANT_KEYS))
+        if unknown:
+            raise ConfigError(f"{where} has unknown keys {unknown}; a contestant takes "
+                              f"{', '.join(CONTESTANT_KEYS)}")
+    else:
+        raise ConfigError(f"{where}={spec!r} is not a contestant: give a string such as "
+                          "k_async:2 or a mapping {variant: ..., k: ..., engine: ...}")
+    variant = fields.get("variant")
+    if variant not in VARIANT_NAMES:
+        raise ConfigError(f"{where}: unknown variant {variant!r}; choose one of "
+                          f"{', '.join(VARIANT_NAMES)}")
+    k = fields.get("k")
+    if k is not None:
+        if isinstance(k, bool) or not str(k).isdigit():
+            raise ConfigError(f"{where}: K must be a positive integer, got {k!r}")
+        k = int(k)
+    contestant_engine = fields.get("engine") or engine
+    allowed = RACE_ENGINES.get(engine, ())
+    if contestant_engine not in allowed:
+        raise ConfigError(
+            f"{where}: engine {contestant_engine!r} cannot race in a launch of engine={engine}; "
+            f"the contestants of one launch share its processes, so with engine={engine} a "
+            f"contestant may name {', '.join(allowed) or 'no engine'}")
+    overrides = fields.get("overrides") or {}
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"{where}: overrides must map dotted keys to values, e.g. "
+                          "{model.lr: 0.05}, got " + repr(overrides))
+    label = fields.get("label")
+    return Contestant(variant, k, contestant_engine, None if label is None else str(label),
+                      dict(overrides))
+
+
+def engine_config(name: str) -> DictConfig:
+    """The ``engine`` node of ``conf/engine/<name>.yaml`` (a plain ``engine`` package)."""
+    return OmegaConf.load(str(files(CONF_PACKAGE).joinpath("engine", f"{name}.yaml")))
+
+
+def contestant_configs(cfg: DictConfig) -> list[tuple[Contestant, DictConfig]]:
+    """Each contestant of a race with its own single-run config: ``cfg`` with ``race`` removed,
+    the contestant's variant and K, its engine's config where it differs from the run's, and its
+    ``overrides``. Interpolations stay live, so the engine's ``${variant.name}`` and the logger's
+    ``${output_dir}`` follow the contestant. Not validated here (see `validate_race`)."""
+    engine = str(cfg.engine.get("name"))
+    found = []
+    for index, spec in enumerate(cfg.race.contestants, 1):
+        contestant = parse_contestant(spec, engine, index)
+        run = copy.deepcopy(cfg)
+        with open_dict(run):
+            run.race = None
+            run.variant.name, run.variant.k = contestant.variant, contestant.k
+            if contestant.engine != engine:
+                run.engine = engine_config(contestant.engine)
+            for key, value in contestant.overrides.items():
+                OmegaConf.update(run, str(key), value, merge=True, force_add=True)
+        found.append((contestant, run))
+    return found
+
+
+def validate_race(cfg: DictConfig) -> int | None:
+    """Check a race: its settings, then every contestant as a single run; return P.
+
+    All contestants must run in the same number of processes (one launch reuses them), and a
+    race needs a logger: the report is drawn from each contestant's ``wallclock.csv``."""
+    engine = cfg.engine.get("name")
+    if engine not in ENGINE_NAMES:
+        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
+    race = cfg.race
+    unknown = sorted(set(map(str, race)) - {"contestants", "target_loss", "window"})
+    if unknown:
+        raise ConfigError(f"race has unknown keys {unknown}; it takes contestants, target_loss "
+                          "and window")
+    target = race.get("target_loss")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))):
+        raise ConfigError(f"race.target_loss must be a number or null (the highest final loss "
+                          f"among the contestants), got {target!r}")
+    window = race.get("window", 20)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"race.window must be an integer >= 1 (updates), got {window!r}")
+    if not cfg.get("logger"):
+        raise ConfigError("a race draws its figure and table from each contestant's "
+                          "wallclock.csv, which logger=none does not write: use logger=csv "
+                          "(or logger=tensorboard), or race=none for a single run")
+    if not cfg.get("fit", True) or cfg.get("ckpt_path"):
+        raise ConfigError("a race fits every contestant from scratch: fit=false and ckpt_path "
+                          "apply to single runs only (race=none)")
+    processes, learners = process_count(cfg), None
+    for index, (contestant, run) in enumerate(contestant_configs(cfg), 1):
+        where = f"race contestant {index} ({contestant.name})"
+        try:
+            learners = _validate_run(run)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}") from None
+        if process_count(run) != processes:
+            raise ConfigError(
+                f"{where} runs in {process_count(run)} processes, the launch in {processes}: the "
+                "contestants of one launch share its processes; set trainer.devices for all")
+    return learners
+
+
+def check_race_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Refuse command-line ``variant`` overrides in a race, which would be silently ignored.
+
+    A race takes its variants from ``race.contestants``; ``variant=`` and ``variant.k=`` choose
+    the variant of a single run, so they almost surely mean ``race=none`` was forgotten."""
+    if not is_race(cfg):
+        return
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "variant" or key.startswith("variant."):
+            names = ", ".join(str(spec) for spec in cfg.race.contestants)
+            raise ConfigError(
+                f"{override} sets the variant of a single run, but this run is a race of "
+                f"[{names}]: add race=none for a single run of that variant, or choose the "
+                "contestants, e.g. 'race.contestants=[sync,k_async:2]'")

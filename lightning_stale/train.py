@@ -2,11 +2,17 @@
 
 ``train(cfg)`` does the work and returns a summary, so tests and notebooks call it with a config
 from ``lightning_stale.config.compose_config``; ``main()`` is the thin command-line wrapper.
+By default the run is a race (``conf/race/default.yaml``): every contestant is fitted in turn,
+then global rank 0 writes and prints the report (`lightning_stale.analysis.race`). With
+``race=none`` it is one run of ``variant``.
 
 Every learner process runs this same module: with ``trainer.devices=N`` Lightning's default
 (popen) launcher re-runs the command line for ranks 1..N-1, and the children reuse the parent's
-Hydra run directory. That is also why a multi-process run cannot be a Hydra sweep (``-m``): each
-child would re-run the whole sweep. Sweep with ``engine=simulated`` (P learners in one process).
+Hydra run directory. The processes start at the first ``fit`` and every later ``Trainer(...).fit``
+in the same processes reuses them, so a race is one launch as long as every rank builds the same
+sequence of Trainers, which it does: every rank composes the same config and runs its
+contestants in order. That is also why a multi-process run cannot be a Hydra sweep (``-m``):
+each child would re-run the whole sweep. Sweep with ``engine=simulated`` (one process).
 """
 
 from __future__ import annotations
@@ -15,42 +21,111 @@ import copy
 import os
 import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning import Trainer, seed_everything
 
 from lightning_stale.strategies.callbacks import WallClockLogger
-from lightning_stale.config import (ConfigError, process_count, recipes_dir, strategy_class,
-                                    validate_config)
+from lightning_stale.config import (ConfigError, Contestant, check_race_overrides,
+                                    contestant_configs, is_race, process_count, recipes_dir,
+                                    strategy_class, validate_config)
+
+# A race's contestants log under <run dir>/contestants/<n>-<name>/ (one run directory each, in
+# the form lightning_stale.plot reads); the report goes beside that folder.
+CONTESTANTS_DIR = "contestants"
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Fit (then validate/test, as configured) and return a summary of the run.
+    """Run the race, or the single run with ``race=none``, and return its summary.
 
-    Summary keys: ``wall_time_s`` (all of this call), ``train_time_s`` (training only, without
-    validation), ``updates`` (server updates, or optimizer steps for the ddp engine),
+    A single run's summary: ``wall_time_s`` (all of this call), ``train_time_s`` (training only,
+    without validation), ``updates`` (server updates, or optimizer steps for the ddp engine),
     ``final_loss`` (training loss of the last update), ``val_acc``/``val_loss`` and
     ``test_acc``/``test_loss`` where run and logged, ``log_dir`` (None without a logger).
+    A race's: ``contestants`` (one such summary each, plus its ``name``), ``wall_time_s``, and on
+    global rank 0 ``figure``, ``table`` (the Markdown file), ``target_loss`` and ``rows``.
     """
     started = time.monotonic()
     validate_config(cfg)  # before any data is loaded or any process started
-    strategy_class(cfg)  # likewise: a clear error when this version does not have the engine
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cfg.output_dir = output_dir(cfg)
+    if is_race(cfg):
+        return run_race(cfg, started)
+    strategy_class(cfg)  # likewise: a clear error when this version does not have the engine
+    summary, is_global_zero = fit_one(cfg, started)
+    if is_global_zero:
+        print(format_summary(summary), flush=True)
+    return summary
 
+
+def run_race(cfg: DictConfig, started: float | None = None) -> dict[str, Any]:
+    """Fit every contestant of a validated race config in order, then report on rank 0."""
+    from lightning_stale.analysis.race import write_race_report  # matplotlib: only for races
+
+    started = time.monotonic() if started is None else started
+    entries = contestant_configs(cfg)
+    for _, run in entries:
+        strategy_class(run)  # every engine importable before the first process starts
+    summaries, run_dirs, is_global_zero = [], [], True
+    for index, (contestant, run) in enumerate(entries, 1):
+        run_dir = Path(cfg.output_dir) / CONTESTANTS_DIR / contestant_folder(index, contestant,
+                                                                            cfg.engine.name)
+        with open_dict(run):
+            run.output_dir = str(run_dir)
+        summary, is_global_zero = fit_one(run, time.monotonic(), config_file=True)
+        if is_global_zero:
+            print(f"race {index}/{len(entries)} {contestant.name}: {format_summary(summary)}",
+                  flush=True)
+        summaries.append({"name": contestant.name, **summary})
+        run_dirs.append(run_dir)
+    result: dict[str, Any] = {"contestants": summaries}
+    if is_global_zero:
+        report = write_race_report(
+            run_dirs, cfg.output_dir, labels=[contestant.label for contestant, _ in entries],
+            target_loss=cfg.race.get("target_loss"), window=int(cfg.race.get("window", 20)),
+            extras=[_table_extras(summary) for summary in summaries])
+        result.update(figure=str(report.figure), table=str(report.markdown),
+                      target_loss=report.target_loss, rows=report.rows)
+        print(f"\n{report.text}\nfigure: {report.figure}\ntable: {report.markdown} "
+              f"(and {report.csv.name}); each contestant's logs: "
+              f"{Path(cfg.output_dir) / CONTESTANTS_DIR}", flush=True)
+    result["wall_time_s"] = time.monotonic() - started
+    return result
+
+
+def contestant_folder(index: int, contestant: Contestant, engine: str) -> str:
+    """``2-k_sync-K2``, ``4-sync-ddp``: race order first, the engine only where it differs."""
+    name = f"{index}-{contestant.variant}"
+    if contestant.k is not None:
+        name += f"-K{contestant.k}"
+    return name + (f"-{contestant.engine}" if contestant.engine != engine else "")
+
+
+def _table_extras(summary: dict[str, Any]) -> dict[str, Any]:
+    return {"val acc": summary["val_acc"]} if "val_acc" in summary else {}
+
+
+def fit_one(cfg: DictConfig, started: float, config_file: bool = False) -> tuple[dict, bool]:
+    """One run of a validated config with its ``output_dir`` set: fit, validate and test as
+    configured. Returns the summary and whether this process is global rank 0. With
+    ``config_file``, rank 0 saves the config as ``<output_dir>/.hydra/config.yaml``, where Hydra
+    puts a run's config, so that `lightning_stale.analysis.runs` can read the run."""
     seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, input_shape=datamodule.input_shape,
                         num_classes=datamodule.num_classes)
     wallclock = WallClockLogger()
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer: Trainer = instantiate(cfg.trainer, strategy=build_strategy(cfg), callbacks=[wallclock],
+    callbacks = [wallclock, *(instantiate(node) for node in cfg.engine.get("callbacks") or [])]
+    trainer: Trainer = instantiate(cfg.trainer, strategy=build_strategy(cfg), callbacks=callbacks,
                                    logger=logger, default_root_dir=cfg.output_dir)
 
     metrics: dict[str, float] = {}
@@ -62,9 +137,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         metrics.update(trainer.test(model, datamodule=datamodule, verbose=False)[0])
 
     summary = _summary(cfg, wallclock, metrics, logger, time.monotonic() - started)
-    if trainer.is_global_zero:
-        print(format_summary(summary), flush=True)
-    return summary
+    if config_file and trainer.is_global_zero:
+        folder = Path(cfg.output_dir) / ".hydra"
+        folder.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, folder / "config.yaml", resolve=True)
+    return summary, trainer.is_global_zero
 
 
 def build_strategy(cfg: DictConfig) -> Any:
@@ -110,6 +187,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 @hydra.main(config_path="pkg://lightning_stale.conf", config_name="train", version_base=None)
 def _run(cfg: DictConfig) -> None:
     _refuse_multiprocess_sweep(cfg)
+    check_race_overrides(cfg, HydraConfig.get().overrides.task)
     train(cfg)
 
 
@@ -133,12 +211,21 @@ def main() -> None:
     applied only after Hydra has looked up the primary config, so it cannot serve recipes.
     Child processes inherit the flag through ``sys.argv``; it is added only once.
     """
+    _quiet_known_warnings()
     arguments = sys.argv[1:]
     given = any(arg in ("--config-dir", "-cd") or arg.startswith(("--config-dir=", "-cd="))
                 for arg in arguments)
     if not given:
         sys.argv.insert(1, f"--config-dir={recipes_dir()}")
     _run()
+
+
+def _quiet_known_warnings() -> None:
+    # Printed by every process at every fit, they would bury the race's table: a deprecation
+    # inside Lightning 2.6 on torch 2.13, and the note that validation under P processes pads
+    # the split to a multiple of P (at most P - 1 repeated samples; 1 of 359 on digits).
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r".*Using `DistributedSampler` with the dataloaders")
 
 
 if __name__ == "__main__":

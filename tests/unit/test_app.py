@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_stale.config import compose_config
+from lightning_stale.config import ConfigError, compose_config
 from lightning_stale.train import format_summary, train
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 def test_train_in_process(tmp_path, isolated_ddp):
     cfg = compose_config("train", [
-        "engine=ddp", "variant=sync", "trainer.devices=1", "trainer.max_steps=12",
+        "race=none", "engine=ddp", "delay=none", "trainer.devices=1", "trainer.max_steps=12",
         "+trainer.val_check_interval=6", "trainer.num_sanity_val_steps=0", "test=true",
         f"output_dir={tmp_path}"])
     summary = train(cfg)
@@ -51,8 +52,30 @@ def test_train_in_process(tmp_path, isolated_ddp):
 
 def test_train_without_logger(tmp_path, isolated_ddp):
     cfg = compose_config("train", [
-        "engine=ddp", "trainer.devices=1", "trainer.max_steps=3", "trainer.num_sanity_val_steps=0",
-        "logger=none", "validate=false", f"output_dir={tmp_path}"])
+        "race=none", "engine=ddp", "trainer.devices=1", "trainer.max_steps=3",
+        "trainer.num_sanity_val_steps=0", "logger=none", "validate=false",
+        f"output_dir={tmp_path}"])
     summary = train(cfg)
     assert summary["log_dir"] is None and summary["updates"] == 3
     assert "val_acc" not in summary
+
+
+def test_tensorboard_logger(tmp_path, isolated_ddp):
+    """logger=tensorboard: without the package (the ``tensorboard`` extra) composing fails
+    saying what to install; with it a run writes event files and wallclock.csv into
+    tensorboard/version_0."""
+    overrides = ["race=none", "engine=ddp", "delay=none", "logger=tensorboard",
+                 "trainer.devices=1", "trainer.max_steps=4", "trainer.num_sanity_val_steps=0",
+                 "validate=false", f"output_dir={tmp_path}"]
+    if not any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX")):
+        with pytest.raises(ConfigError, match=r"pip install \"lightning-stale\[tensorboard\]\""):
+            compose_config("train", overrides)
+        pytest.skip("tensorboard is not installed: pip install 'lightning-stale[tensorboard]'")
+    cfg = compose_config("train", overrides)
+    assert cfg.logger._target_ == "pytorch_lightning.loggers.TensorBoardLogger"
+    assert cfg.logger.save_dir == str(tmp_path)
+    summary = train(cfg)
+    log_dir = Path(summary["log_dir"])
+    assert log_dir == tmp_path / "tensorboard" / "version_0"
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    assert [int(row["update"]) for row in read_rows(log_dir / "wallclock.csv")] == [1, 2, 3, 4]

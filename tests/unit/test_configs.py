@@ -1,5 +1,5 @@
 """Every config option composes, validates and instantiates; bad input fails early. (Recipes:
-tests/test_recipes.py.)
+tests/unit/test_recipes.py; the race's own checks: tests/unit/test_race.py.)
 
 Each group option is composed once on top of the defaults, with only the overrides it needs to
 make sense (a stale variant needs an engine that can run it, least squares needs the convex
@@ -8,6 +8,7 @@ data, ...). Every ``_target_`` in the result must accept the keys its config giv
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 from importlib.resources import files
@@ -20,17 +21,18 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_stale.config import (ConfigError, EngineNotAvailableError, compose_config,
-                                    strategy_class, validate_config)
+                                    contestant_configs, is_race, strategy_class, validate_config)
 from lightning_stale.train import train
 
 CONF = Path(str(files("lightning_stale.conf")))
-GROUPS = ("data", "model", "variant", "delay", "trainer", "logger", "engine")
+GROUPS = ("data", "model", "variant", "delay", "trainer", "logger", "engine", "race")
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 # Keyword arguments train() adds to the configs' own when it instantiates them.
 ADDED_BY_TRAIN = {
     "model": {"input_shape", "num_classes"},
     "trainer": {"strategy", "callbacks", "logger", "default_root_dir"},
 }
+TENSORBOARD = any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX"))
 
 
 # ------------------------------------------------------------------ tiny data files
@@ -39,8 +41,11 @@ ADDED_BY_TRAIN = {
 def needed_overrides(group: str, option: str, data_root: Path) -> list[str]:
     """What an option needs besides the defaults to form a runnable config."""
     overrides = [f"{group}={option}"]
-    if group == "variant" and option != "sync" or group == "delay" and option != "none":
-        overrides.append("engine=server")  # stale variants and stragglers need the server
+    if group == "variant" or (group, option) == ("logger", "none"):
+        # a race takes its variants from race.contestants and draws from their logs
+        overrides.append("race=none")
+    if (group, option) == ("engine", "ddp"):  # ddp runs only sync; the server the rest
+        overrides.append("race.contestants=[sync,k_async:2@server]")
     if group == "model" and option == "least_squares":
         overrides.append("data=convex")
     if group == "data" and option == "convex":
@@ -94,8 +99,12 @@ def check_all_signatures(cfg: DictConfig) -> None:
 
 
 def instantiate_all(cfg: DictConfig, output_dir: Path) -> None:
-    """Build what train() builds, without fitting."""
+    """Build what train() builds, without fitting: for a race, each contestant's run."""
     validate_config(cfg)
+    if is_race(cfg):
+        for _, run in contestant_configs(cfg):
+            instantiate_all(run, output_dir)
+        return
     cfg = cfg.copy()
     cfg.output_dir = str(output_dir)
     datamodule = instantiate(cfg.data)
@@ -115,12 +124,15 @@ def instantiate_all(cfg: DictConfig, output_dir: Path) -> None:
         strategy = None  # the Trainer is still checked, with Lightning's default strategy
     else:
         strategy = instantiate(cfg.engine.strategy)
+    callbacks = [instantiate(node) for node in cfg.engine.get("callbacks") or []]
+    assert all(callable(getattr(callback, "on_before_optimizer_step", None))
+               for callback in callbacks)
     trainer_cfg = cfg.trainer
     if trainer_cfg.accelerator == "gpu" and not torch.cuda.is_available():
         trainer_cfg = OmegaConf.merge(trainer_cfg, {"accelerator": "cpu", "devices": 1})
         strategy = None  # a GPU strategy's checks need a GPU; its signature was checked
     trainer = instantiate(trainer_cfg, strategy=strategy or "auto", logger=logger,
-                          default_root_dir=str(output_dir))
+                          callbacks=callbacks, default_root_dir=str(output_dir))
     assert trainer.max_steps == cfg.trainer.max_steps
 
 
@@ -132,10 +144,15 @@ def test_every_group_has_options():
     assert found == set(GROUPS)
     assert {option for group, option in OPTIONS if group == "variant"} == {
         "sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"}
+    assert {option for group, option in OPTIONS if group == "race"} == {"default", "none"}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(group, option, data_root, tmp_path):
+    if (group, option) == ("logger", "tensorboard") and not TENSORBOARD:
+        with pytest.raises(ConfigError, match=r"pip install \"lightning-stale\[tensorboard\]\""):
+            compose_config("train", needed_overrides(group, option, data_root))
+        return
     cfg = compose_config("train", needed_overrides(group, option, data_root))
     check_all_signatures(cfg)
     instantiate_all(cfg, tmp_path)
@@ -149,45 +166,58 @@ def test_digits_k_async_recipe_settings():
     assert cfg.engine.strategy.delay.shift == cfg.delay.shift  # the engine gets the delay
 
 
-def test_default_config():
+def test_default_config_is_the_race():
     cfg = compose_config()
     assert cfg.data._target_ == "lightning_stale.data.DigitsDataModule"
-    assert cfg.variant.name == "sync" and cfg.trainer.devices == 4
+    assert cfg.engine.name == "server" and cfg.trainer.devices == 4
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.enable_progress_bar is False
+    assert cfg.delay._target_ == "lightning_stale.delays.ShiftedExponential"
+    assert is_race(cfg)
+    runs = [(c.variant, c.k, c.engine, run.engine.strategy.variant, run.engine.strategy.k)
+            for c, run in contestant_configs(cfg)]
+    assert runs == [("sync", None, "server", "sync", None), ("k_sync", 2, "server", "k_sync", 2),
+                    ("k_async", 2, "server", "k_async", 2)]
+    single = compose_config("train", ["race=none"])
+    assert not is_race(single) and single.variant.name == "sync"
 
 
 def test_variant_k_override():
-    cfg = compose_config("train", ["variant=k_async", "variant.k=2", "engine=server"])
+    cfg = compose_config("train", ["race=none", "variant=k_async", "variant.k=2"])
     assert (cfg.variant.name, cfg.variant.k) == ("k_async", 2)
     assert cfg.engine.strategy.k == 2 and cfg.engine.strategy.variant == "k_async"
 
 
 def test_simulated_engine_runs_in_one_process():
-    cfg = compose_config("train", ["engine=simulated", "variant=k_sync", "variant.k=3"])
+    cfg = compose_config("train", ["race=none", "engine=simulated", "variant=k_sync",
+                                   "variant.k=3"])
     assert cfg.trainer.devices == 1 and cfg.engine.strategy.num_learners == 4
     with pytest.raises(ConfigError, match=r"K=5"):
-        compose_config("train", ["engine=simulated", "variant=k_sync", "variant.k=5"])
+        compose_config("train", ["race=none", "engine=simulated", "variant=k_sync",
+                                 "variant.k=5"])
     with pytest.raises(ConfigError, match="num_learners"):
-        compose_config("train", ["engine=simulated", "trainer.devices=4"])
+        compose_config("train", ["race=none", "engine=simulated", "trainer.devices=4"])
 
 
 def test_unknown_variant_lists_the_options():
     with pytest.raises(MissingConfigException) as error:
-        compose_config("train", ["variant=nonexistent"])
+        compose_config("train", ["race=none", "variant=nonexistent"])
     assert "nonexistent" in str(error.value) and "k_batch_async" in str(error.value)
     with pytest.raises(ConfigError, match=r"'bogus'.*sync, k_sync, k_batch_sync"):
-        compose_config("train", ["variant.name=bogus"])
+        compose_config("train", ["race=none", "variant.name=bogus"])
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["engine=server", "variant=k_async", "variant.k=9"], r"variant\.k=9 .*P=4"),
-    (["engine=server", "variant=k_sync", "variant.k=3", "trainer.devices=2"],
+    (["race=none", "variant=k_async", "variant.k=9"], r"variant\.k=9 .*P=4"),
+    (["race=none", "variant=k_sync", "variant.k=3", "trainer.devices=2"],
      r"variant\.k=3 .*P=2"),
-    (["engine=ddp", "variant=k_async"], r"engine=ddp runs only variant=sync.*variant=k_async"),
-    (["engine=ddp", "delay=exponential"], r"engine=ddp cannot inject.*Exponential.*delay=none"),
-    (["engine=server", "variant=sync", "variant.k=2"], r"'sync' means K=P=4"),
-    (["engine=server", "delay=slow_learners", "delay.learners=[7]"], r"learner 7"),
-    (["engine=server", "delay=trace"], r"delay\.path"),
+    (["race=none", "engine=ddp", "variant=k_async"],
+     r"engine=ddp runs only variant=sync.*variant=k_async"),
+    (["race=none", "variant=sync", "variant.k=2"], r"'sync' means K=P=4"),
+    (["race=none", "delay=slow_learners", "delay.learners=[7]"], r"learner 7"),
+    (["race=none", "delay=trace"], r"delay\.path"),
+    (["delay=slow_learners", "delay.learners=[7]"],
+     r"race contestant 1 \(sync@server\).*learner 7"),
+    (["engine=ddp"], r"race contestant 2 \(k_sync:2@ddp\).*engine=ddp runs only variant=sync"),
 ])
 def test_bad_config_fails_before_training(overrides, message, monkeypatch):
     with pytest.raises(ConfigError, match=message):

@@ -8,6 +8,7 @@ builds the wheel and checks it for real.
 from __future__ import annotations
 
 import glob
+import re
 from importlib import import_module
 from importlib.resources import files
 from pathlib import Path
@@ -45,15 +46,16 @@ def test_every_package_is_listed():
         assert (source_dir(package) / "__init__.py").is_file(), f"{package} has no __init__.py"
 
 
-def test_every_config_is_package_data():
-    for package, folder in (("lightning_stale.conf", "conf"),
-                            ("lightning_stale.recipes", "recipes")):
+def test_every_config_and_the_method_are_package_data():
+    for package, folder, kind in (("lightning_stale.conf", "conf", "*.yaml"),
+                                  ("lightning_stale.recipes", "recipes", "*.yaml"),
+                                  ("lightning_stale.docs", "docs", "*.md")):
         assert source_dir(package) == ROOT / folder
         patterns = SETUPTOOLS["package-data"][package]
         shipped = {Path(match) for pattern in patterns
                    for match in glob.glob(pattern, root_dir=ROOT / folder)}
-        present = {path.relative_to(ROOT / folder) for path in (ROOT / folder).rglob("*.yaml")}
-        assert present, f"no configs found under {folder}/"
+        present = {path.relative_to(ROOT / folder) for path in (ROOT / folder).rglob(kind)}
+        assert present, f"no {kind} found under {folder}/"
         assert present <= shipped, f"{package} does not ship {sorted(map(str, present - shipped))}"
 
 
@@ -74,3 +76,46 @@ def test_console_script_points_at_main():
 def test_test_extra_has_pytest():
     assert any(requirement.startswith("pytest")
                for requirement in PYPROJECT["project"]["optional-dependencies"]["test"])
+
+
+# ------------------------------------------------------------------ the method ships and resolves
+SOURCES = [path for folder in ("lightning_stale", "conf", "recipes", "tests", "benchmarks")
+           for path in (ROOT / folder).rglob("*")
+           if path.suffix in (".py", ".yaml") and path != Path(__file__).resolve()]
+
+
+def collapse(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_method_is_an_importable_resource():
+    method = files("lightning_stale.docs").joinpath("method.md")
+    assert method.is_file() and method.read_text() == (ROOT / "docs" / "method.md").read_text()
+
+
+def test_every_citation_of_the_method_names_a_part_of_it():
+    """Docstrings cite sections as docs/method.md, "Section" (a heading or a table column)."""
+    method = collapse((ROOT / "docs" / "method.md").read_text())
+    cited = {}
+    for path in SOURCES:
+        text = collapse(path.read_text(errors="replace"))
+        for name in re.findall(r'docs/method\.md[^"]{0,20}"([^"]+)"', text):
+            cited.setdefault(name, path.relative_to(ROOT))
+    assert {"The six variants", "Error after J iterations", "Gradually increasing synchrony"} <= \
+        set(cited)
+    missing = {name: str(path) for name, path in cited.items() if name not in method}
+    assert not missing, f"cited but not in docs/method.md: {missing}"
+    for heading in ("Setting", "The six variants", "Expected time per iteration E[T]",
+                    "Error after J iterations", "Beyond the base method",
+                    "Gradually increasing synchrony", "Staleness compensation",
+                    "Experiments in the paper", "Sources"):
+        assert re.search(rf"^#+ {re.escape(heading)}$", (ROOT / "docs" / "method.md").read_text(),
+                         re.MULTILINE), heading
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    outside = "PAPER" + ".md"  # spelled apart so that this file does not match itself
+    offenders = [str(path.relative_to(ROOT)) for path in SOURCES + [ROOT / "README.md"]
+                 if outside in path.read_text(errors="replace")]
+    assert not offenders
+    assert "docs/method.md" in (ROOT / "README.md").read_text()

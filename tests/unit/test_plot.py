@@ -20,7 +20,7 @@ from lightning_stale.analysis.runs import (error_at_convergence, find_runs, floo
 from lightning_stale.method.theory import harmonic
 from lightning_stale.train import train
 
-SIMULATED = ["engine=simulated", "delay=exponential"]
+SIMULATED = ["race=none", "engine=simulated", "delay=exponential"]
 
 
 def write_run(run_dir: Path, overrides: list[str], losses, times=None, ks=None,
