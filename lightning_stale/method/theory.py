@@ -7,7 +7,7 @@ gaps are in the units of the objective F, as E[F(w_J)] - F*.
 
 Every closed form of docs/method.md's E[T] table was checked against the event-level simulation
 (`VirtualCluster` driven by `ServerRules`, the very rules the engines use); all agree with it to
-sampling accuracy (well under 1% with 60,000 mini-batch pushes; see tests/test_theory.py).
+sampling accuracy (well under 1% with 60,000 mini-batch pushes; see tests/unit/test_theory.py).
 """
 
 from __future__ import annotations

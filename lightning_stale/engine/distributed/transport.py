@@ -1,7 +1,8 @@
 """How messages travel between learners and the parameter server.
 
 Remote learners talk to the server over point-to-point gloo operations on a dedicated process
-group (PLATFORM-NOTES: a separate group, CPU tensors, so a NCCL default group is untouched). A
+group of its own (CPU tensors, so a NCCL default group is untouched, and Lightning's collectives
+on the default group never interleave with server traffic). A
 message is one frame: the header (`messages.HEADER`) with the payload behind it when the payload
 is small (up to INLINE_PAYLOAD_BYTES), else the header alone followed by the payload as a second
 gloo message. The receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it.
