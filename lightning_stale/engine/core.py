@@ -197,12 +197,12 @@ class ServerCore:
         does: ``metrics`` are the logged values a ReduceLROnPlateau may monitor)."""
         self.resume(clock)
         if self.state is not None and self.epoch > 0:
-            self.state.end_epoch(self.epoch - 1, metrics or {})
+            self.state.schedules.end_epoch(self.epoch - 1, metrics or {})
 
     def report_metrics(self, metrics: Mapping[str, float]) -> None:
         """The latest logged values, for plateau schedulers stepped per update."""
         if self.state is not None:
-            self.state.metrics.update(metrics)
+            self.state.schedules.metrics.update(metrics)
 
     def stop(self) -> None:
         """Training is over: pending gradients and later pushes count as in flight at stop."""
@@ -227,13 +227,13 @@ class ServerCore:
         """What a checkpoint needs to continue (parameters and optimizer are saved by Lightning)."""
         return {"version": self.rules.version, "updates": self.updates, "epoch": self.epoch,
                 "samples": self.samples,
-                "schedulers": self.state.scheduler_states() if self.state is not None else []}
+                "schedulers": self.state.schedules.states() if self.state is not None else []}
 
     def load_state_dict(self, saved: dict) -> None:
         self.rules.resume_at(saved["version"], saved["updates"])
         self.epoch, self.samples = saved["epoch"], saved.get("samples", 0)
         if self.state is not None:
-            self.state.load_scheduler_states(saved.get("schedulers", []))
+            self.state.schedules.load_states(saved.get("schedulers", []))
         self._snapshots.clear()
         self._snapshot_current()
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from lightning_stale.engine.schedules import Schedules
 
 
 @dataclass
@@ -86,18 +88,19 @@ class ModelVectors:
                 src = part.view_as(dst)
                 dst.copy_(src.round() if not dst.is_floating_point() else src, non_blocking=True)
 
-    def push_vector(self) -> tuple[Tensor, bool]:
-        """Gradients (zeros where missing), buffers and, if some gradient is missing, a presence
-        mask; and whether the mask is there."""
+    def push_vector(self, mask: bool = False, device: torch.device | None = None) -> tuple[Tensor, bool]:
+        """Gradients (zeros where missing), buffers and, if some gradient is missing (or
+        ``mask``), a presence mask; and whether the mask is there. On ``device`` (default CPU)."""
+        device = torch.device("cpu") if device is None else device
         grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
                  for p in self.params]
-        missing = any(g is None for g in grads)
-        parts: list[Tensor] = [torch.zeros(p.numel(), dtype=self.dtype, device=p.device) if g is None
-                               else g.detach().reshape(-1).to(self.dtype) for p, g in zip(self.params, grads)]
-        parts += [b.detach().reshape(-1).to(self.dtype) for b in self.buffers]
-        if missing:
-            parts.append(torch.tensor([g is not None for g in grads], dtype=self.dtype))
-        return (torch.cat([t.cpu() for t in parts]) if parts else torch.zeros(0, dtype=self.dtype)), missing
+        masked = mask or any(g is None for g in grads)
+        parts: list[Tensor] = [torch.zeros(p.numel(), dtype=self.dtype, device=device) if g is None
+                               else g.detach().reshape(-1).to(device, self.dtype) for p, g in zip(self.params, grads)]
+        parts += [b.detach().reshape(-1).to(device, self.dtype) for b in self.buffers]
+        if masked:
+            parts.append(torch.tensor([g is not None for g in grads], dtype=self.dtype, device=device))
+        return (torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=device)), masked
 
     def split_push(self, flat: Tensor, masked: bool) -> Contribution:
         """A `push_vector` back into its parts (views of ``flat``)."""
@@ -145,32 +148,21 @@ def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor]) -> Opti
     return clone
 
 
-def _mark_steps_for_schedulers(optimizer: Optimizer) -> None:
-    # torch's schedulers warn unless optimizer.step was wrapped by them; ours moved here.
-    step = optimizer.step
-
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked_step  # type: ignore[method-assign]
-
-
 class ServerState:
     """Authoritative parameters, buffers, optimizer and LR schedulers of a parameter server.
 
     Args:
         module: the learner's module; its trainable parameters and persistent buffers are copied.
         optimizer: the optimizer Lightning built for ``module``; rebuilt over the copies.
-        schedulers: Lightning ``LRSchedulerConfig``s of that optimizer: the server steps them
-            (``interval="step"`` after every ``frequency`` updates, ``"epoch"`` when an epoch's
-            end is over), ``ReduceLROnPlateau`` with its monitored metric.
+        schedulers: Lightning ``LRSchedulerConfig``s of that optimizer, stepped by the server
+            (`Schedules`).
         buffers: keep the module's buffers here (False where learners share one module).
+        clip: clips the averaged gradient before the step (the Trainer's gradient clipping, as
+            DDP applies it to its averaged gradient), or None.
     """
 
     def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),
-                 buffers: bool = True) -> None:
+                 buffers: bool = True, clip: Callable[[Optimizer], None] | None = None) -> None:
         learner = ModelVectors.of(module, buffers)
         self.params = [p.detach().clone().requires_grad_(True) for p in learner.params]
         self.buffers = [b.detach().clone() for b in learner.buffers]
@@ -184,18 +176,10 @@ class ServerState:
         self.optimizer = clone_optimizer(
             optimizer, {id(lp): sp for lp, sp in zip(learner.params, self.params)})
         self._sparse = isinstance(self.optimizer, torch.optim.SparseAdam)
-        _mark_steps_for_schedulers(self.optimizer)
-        self.schedulers = list(schedulers)
-        for config in self.schedulers:
-            config.scheduler.optimizer = self.optimizer
+        self.clip = clip
+        self.schedules = Schedules(schedulers, self.optimizer)
         self.vectors = ModelVectors(self.params, self.buffers)
-        self.metrics: dict[str, float] = {}  # latest monitored values, for step-interval plateaus
         self._snapshot: tuple[int, Tensor] | None = None
-
-    @property
-    def schedulers_monitor_per_update(self) -> bool:
-        """Whether a plateau scheduler is stepped per update (it needs the latest metrics)."""
-        return any(c.reduce_on_plateau and c.interval == "step" for c in self.schedulers)
 
     def apply(self, contributions: Sequence[Contribution], weights: Sequence[float] | None = None,
               update_index: int = 0) -> None:
@@ -212,20 +196,13 @@ class ServerState:
             present = torch.zeros(len(self.params), dtype=torch.bool)
             for c in contributions:
                 present |= torch.ones_like(present) if c.present is None else c.present
-        self._load_grads(average, present)
+        load_gradients(self.params, average, present, sparse=self._sparse)
+        if self.clip is not None:
+            self.clip(self.optimizer)
         self.optimizer.step()
         self._combine_buffers(contributions)
         self._snapshot = None
-        for config in self.schedulers:
-            if config.interval == "step" and update_index % config.frequency == 0:
-                self._step_scheduler(config, self.metrics)
-
-    def end_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
-        """Epoch ``epoch`` (from 0) ended and its validation ran: step the epoch-interval
-        schedulers that are due (a plateau scheduler with its monitored value)."""
-        for config in self.schedulers:
-            if config.interval == "epoch" and (epoch + 1) % config.frequency == 0:
-                self._step_scheduler(config, metrics)
+        self.schedules.after_update(update_index)
 
     def snapshot(self, version: int) -> Tensor:
         """The current parameters and buffers, those of ``version``, as one flat CPU vector;
@@ -245,22 +222,7 @@ class ServerState:
         return {name: by_id[id(t)].detach().clone()
                 for name, t in module.state_dict(keep_vars=True).items() if id(t) in by_id}
 
-    def scheduler_states(self) -> list[dict]:
-        return [c.scheduler.state_dict() for c in self.schedulers]
-
-    def load_scheduler_states(self, states: Sequence[dict]) -> None:
-        for config, s in zip(self.schedulers, states):
-            config.scheduler.load_state_dict(s)
-
     # ------------------------------------------------------------------ internals
-    def _load_grads(self, average: Tensor, present: Tensor | None) -> None:
-        for i, (p, part) in enumerate(zip(self.params, torch.split(average, [p.numel() for p in self.params]))):
-            if present is not None and not present[i]:
-                p.grad = None  # no gradient reached this parameter: the optimizer skips it
-                continue
-            grad = part.view_as(p).to(device=p.device, dtype=p.dtype)
-            p.grad = grad.to_sparse() if self._sparse else grad.clone()
-
     def _combine_buffers(self, contributions: Sequence[Contribution]) -> None:
         pushed = [c.buffers for c in contributions if c.buffers is not None]
         if not pushed or not self.buffers:
@@ -271,15 +233,15 @@ class ServerState:
                                     torch.split(stacked.max(0).values, sizes)):
             b.copy_((mean if b.is_floating_point() else largest.round()).view_as(b))
 
-    @staticmethod
-    def _step_scheduler(config: Any, metrics: Mapping[str, float]) -> None:
-        if not config.reduce_on_plateau:
-            config.scheduler.step()
-            return
-        value = metrics.get(config.monitor)
-        if value is None:
-            if config.strict:
-                raise ValueError(f"ReduceLROnPlateau monitors {config.monitor!r}, which is not among "
-                                 f"the logged metrics {sorted(metrics)}: log it, or set strict=False")
-            return
-        config.scheduler.step(float(value))
+
+def load_gradients(params: Sequence[Tensor], flat: Tensor, present: Tensor | None = None,
+                   sparse: bool = False) -> None:
+    """Set each parameter's ``grad`` from its part of ``flat`` (a view where dtype and device
+    allow: ``flat`` must not be reused); a parameter whose ``present`` is False gets
+    ``grad = None``, so that the optimizer skips it (as it would under DDP)."""
+    for i, (p, part) in enumerate(zip(params, torch.split(flat, [p.numel() for p in params]))):
+        if present is not None and not present[i]:
+            p.grad = None
+            continue
+        grad = part.view_as(p).to(device=p.device, dtype=p.dtype)
+        p.grad = grad.to_sparse() if sparse else grad

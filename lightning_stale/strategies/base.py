@@ -179,6 +179,20 @@ class ServerStrategyMixin:
         scaler.update()
         return loss, overflow
 
+    def take_over_clipping(self, trainer: Any) -> Callable[[Any], None] | None:
+        """Gradient clipping applies to the averaged gradient of an update, as DDP clips its
+        all-reduced gradient: learners stop clipping their own (until teardown), and the
+        returned function clips through the module's ``configure_gradient_clipping`` hook,
+        for whoever applies the update. None when the Trainer does not clip."""
+        value, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        if value is None:
+            return None
+        self.patch(trainer, "gradient_clip_val", None)
+        self.patch(trainer, "gradient_clip_algorithm", None)
+        module = self.lightning_module
+        return lambda optimizer: module.configure_gradient_clipping(
+            optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+
     def undo_patches(self) -> None:
         while self._undo:
             self._undo.pop()()

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterator
 
 import torch
+from torch.utils.data import DataLoader
+
+
+def pushes_per_epoch(num_samples: int, batch_size: int, drop_last: bool, p: int,
+                     limit_train_batches: int | float, accumulate_grad_batches: int) -> int:
+    """One pass worth of pushes by all learners together: P times the optimizer steps a DDP rank
+    makes per epoch (its 1/P shard in mini-batches, cut by ``limit_train_batches`` as Lightning
+    cuts it: an int caps the batches, a float is a fraction of them)."""
+    shard = math.ceil(num_samples / p)
+    batches = shard // batch_size if drop_last else math.ceil(shard / batch_size)
+    limit = limit_train_batches
+    batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    return p * max(1, math.ceil(batches / accumulate_grad_batches))
 
 
 class IndependentBatchSampler:
@@ -22,6 +36,13 @@ class IndependentBatchSampler:
         self.num_samples, self.batch_size = num_samples, batch_size
         self.generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(rank))
         self.epoch_over: Callable[[], bool] = lambda: False
+
+    def loader(self, dataloader: DataLoader) -> DataLoader:
+        """``dataloader`` drawing its batches with this sampler."""
+        return DataLoader(dataloader.dataset, batch_sampler=self, num_workers=dataloader.num_workers,
+                          collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
+                          worker_init_fn=dataloader.worker_init_fn,
+                          persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0)
 
     def __iter__(self) -> Iterator[list[int]]:
         while not self.epoch_over():

@@ -141,13 +141,14 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             super().setup(trainer)
         self.check_trainer(trainer, [])
         self._schedulers = self.take_over_schedulers()
+        self._clip = self.take_over_clipping(trainer)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         module = self.lightning_module
         # The simulated learners share one module, buffers included: only parameters travel.
-        state = ServerState(module, self.optimizers[0], self._schedulers, buffers=False)
+        state = ServerState(module, self.optimizers[0], self._schedulers, buffers=False, clip=self._clip)
         self._learner_view = ModelVectors.of(module, buffers=False)
         self._final_stats = None
         self._retry = self._finish = None
@@ -170,7 +171,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         if restored is not None:
             rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "
                            "cannot continue: a new one starts from its parameters")
-            self.server.core.state.load_scheduler_states(restored["core"]["schedulers"])
+            self.server.core.state.schedules.load_states(restored["core"]["schedulers"])
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

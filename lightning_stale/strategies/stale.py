@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
-import queue
 import time
 from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning import Callback
 from pytorch_lightning.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
@@ -20,9 +17,9 @@ from lightning_stale.delays.models import DelayModel
 from lightning_stale.delays.traces import TraceRecorder
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
+from lightning_stale.engine.distributed.ranks import RankOptions, build_rank, check_path, choose_path
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
-from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
-from lightning_stale.engine.state import ModelVectors, ServerState
+from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
@@ -31,7 +28,8 @@ from lightning_stale.strategies.faults import SignalTrap, Watchdog, watched_laun
 from lightning_stale.strategies.lightning_api import (process_group_backend, replace_sigterm_broadcast,
                                                      set_global_step, sync_batchnorm_requested)
 from lightning_stale.strategies.namespaces import register_everywhere
-from lightning_stale.strategies.sampling import IndependentBatchSampler
+from lightning_stale.strategies.pace import OwnPaceCollectives
+from lightning_stale.strategies.sampling import IndependentBatchSampler, pushes_per_epoch
 
 log = logging.getLogger(__name__)
 
@@ -41,27 +39,7 @@ _DDP_OPTIONS = ("accelerator", "parallel_devices", "cluster_environment", "check
                 "precision_plugin", "process_group_backend", "timeout", "start_method")
 
 
-class _LocalCollectives(Callback):
-    """Marks when learners run at their own pace (inside training batches): collectives issued
-    there, e.g. ``self.log(..., sync_dist=True)`` in ``training_step``, would pair up calls from
-    different steps and deadlock, so the strategy answers them locally. At epoch ends and in
-    validation every learner is in step again and collectives are real (unless a learner died,
-    which leaves the default process group unusable for the rest of the fit)."""
-
-    def __init__(self, strategy: StaleStrategy) -> None:
-        self.strategy = strategy
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.strategy._local_collectives = True
-
-    def on_validation_start(self, *args: Any) -> None:
-        self.strategy._local_collectives = self.strategy._lost_learner
-
-    def on_train_epoch_end(self, *args: Any) -> None:
-        self.strategy._local_collectives = self.strategy._lost_learner
-
-
-class StaleStrategy(ServerStrategyMixin):
+class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
 
     The P learners are the Trainer's processes (devices x nodes), launched as for DDP. Global
@@ -89,6 +67,11 @@ class StaleStrategy(ServerStrategyMixin):
         adaptive_k: AdaSync schedule of K over wall-clock seconds (K-variants only): an
             `AdaptiveK`, a dict of its arguments, or the interval T0 in seconds.
         seed: seed of every learner's independent mini-batch sampler.
+        server: where updates are applied (`engine.distributed.ranks`): ``"central"`` (the server
+            on rank 0 holds the parameters), ``"collective"`` (sync family: the gradients of an
+            update meet in one all-reduce on the default group and every learner applies it), or
+            ``"auto"`` (default: collective for the sync family on models of at least
+            ``COLLECTIVE_MIN_NUMEL`` values, else central). ``stats["server_path"]`` says which ran.
         on_learner_failure: ``"stop"`` (default): a learner that dies ends the run, like DDP;
             ``"continue"``: the server drops it, clamps K to the learners left and goes on
             (needs K < P; validation is skipped after a death: the default process group lost
@@ -119,7 +102,7 @@ class StaleStrategy(ServerStrategyMixin):
                  record_trace: Union[bool, str] = True,
                  staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
                  adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
-                 on_learner_failure: str = "stop", server_timeout: float = 30.0,
+                 on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
@@ -139,10 +122,10 @@ class StaleStrategy(ServerStrategyMixin):
         super().__init__(**ddp_kwargs)
         self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
                                   record_trace, seed)
+        check_path(server, variant, on_learner_failure, self.staleness_compensation)
+        self.server = server
         self.delay_mode, self.on_learner_failure = delay_mode, on_learner_failure
         self.server_timeout, self.shutdown_timeout = float(server_timeout), float(shutdown_timeout)
-        self._local_collectives = False
-        self._lost_learner = False  # a learner died (continue mode): no more collectives
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
@@ -214,12 +197,11 @@ class StaleStrategy(ServerStrategyMixin):
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
         self._schedulers = self.take_over_schedulers()
+        self._clip = self.take_over_clipping(trainer)
         # Lightning broadcasts rank 0's SIGTERM flag before every training batch, which would put
         # learners in lock-step; signals are the server's business here (see faults.py).
         self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop, lambda: None))
-        phase = _LocalCollectives(self)
-        trainer.callbacks.insert(0, phase)
-        self._undo.append(lambda: trainer.callbacks.remove(phase))
+        self._undo.append(self.track_pace(trainer))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -233,57 +215,32 @@ class StaleStrategy(ServerStrategyMixin):
         if batch_size is None:
             raise ValueError("StaleStrategy needs a training DataLoader with a batch_size")
         n = len(dataloader.dataset)
-        self._pushes_per_epoch = self._pushes_in_epoch(trainer, n, batch_size, dataloader.drop_last)
+        self._pushes_per_epoch = pushes_per_epoch(n, batch_size, dataloader.drop_last, self.num_learners,
+                                                  self._limit_train_batches, trainer.accumulate_grad_batches)
         sampler = IndependentBatchSampler(n, batch_size, self.seed, self.global_rank)
         self._samplers.append(sampler)
-        return DataLoader(dataloader.dataset, batch_sampler=sampler, num_workers=dataloader.num_workers,
-                          collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
-                          worker_init_fn=dataloader.worker_init_fn,
-                          persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0)
-
-    def _pushes_in_epoch(self, trainer, n: int, batch_size: int, drop_last: bool) -> int:
-        """One pass worth of pushes by all learners together: P times the optimizer steps a DDP
-        rank makes per epoch (its 1/P shard in mini-batches, cut by ``limit_train_batches``)."""
-        p = self.num_learners
-        shard = math.ceil(n / p)
-        batches = shard // batch_size if drop_last else math.ceil(shard / batch_size)
-        limit = self._limit_train_batches
-        batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
-        return p * max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+        return sampler.loader(dataloader)
 
     # ------------------------------------------------------------------ training
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        vectors = ModelVectors.of(self.lightning_module)
         variant = self.settle_variant(self.world_size)
         self._final_stats = None
         self._failure_raised = False
-        self._lost_learner = False
+        self.lost_learner = False
         self._epoch = trainer.current_epoch
-        if self.global_rank == 0:
-            state = ServerState(self.lightning_module, self.optimizers[0], self._schedulers)
-            limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
-                                  max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
-            core = ServerCore(variant, state, limits, self._adaptive, self.staleness_compensation,
-                              clock=time.monotonic())
-            if self._resume is not None:
-                core.load_state_dict(self._resume)
-                self._resume = None
-            self._server = ParameterServer(core, vectors, self.on_learner_failure)
-            server_endpoint = ServerEndpoint(self._server_group, variant.p, self._server.events.put,
-                                             queue.Queue(), vectors.max_push_numel())
-            endpoint = LearnerEndpoint(0, self._server_group, vectors.state_numel, local_server=server_endpoint)
-            self._server.start(server_endpoint)
-        else:
-            endpoint = LearnerEndpoint(self.global_rank, self._server_group, vectors.state_numel)
-        server = self._server
-        learner = self._learner = Learner(endpoint, vectors, self.delay,
-                                          waits_for_answer=variant.pusher_needs_answer,
-                                          delay_is_total=self.delay_mode == "total",
-                                          server_error=lambda: server.error if server else None,
-                                          server_timeout=self.server_timeout)
+        self.path = choose_path(self.server, variant, ModelVectors.of(self.lightning_module).numel,
+                                self.on_learner_failure, self.staleness_compensation)
+        limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
+                              max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
+        options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
+                              self.server_timeout, self.staleness_compensation, self._adaptive)
+        learner, self._server = build_rank(self.global_rank, self._server_group, self.lightning_module,
+                                           self.optimizers[0], self._schedulers, variant, limits, options,
+                                           self._resume, self._clip)
+        self._learner, self._resume = learner, None
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
         trap = SignalTrap(self.global_rank)
@@ -307,9 +264,13 @@ class StaleStrategy(ServerStrategyMixin):
         self._batch_samples += extract_batch_size(batch)  # a push counts all its micro-batches
         if trainer.current_epoch > self._epoch:  # an epoch's end is over: training goes on
             self._epoch = trainer.current_epoch
-            self._lost_learner |= self._learner.dead_learners > 0
+            self.lost_learner |= self._learner.dead_learners > 0
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if self._server is not None:
-                self._server.resume({k: float(v) for k, v in trainer.callback_metrics.items()})
+                self._server.resume(metrics)
+            schedules = self._learner.exchange.schedules  # stepped here where learners apply updates
+            if schedules is not None:
+                schedules.end_epoch(self._epoch - 1, metrics)
             self._guarded(self._learner.resume)
         if first_micro_batch:
             self._batch_started = time.monotonic()
@@ -335,9 +296,17 @@ class StaleStrategy(ServerStrategyMixin):
         set_global_step(trainer, max(self._learner.version, 0))
         if self._learner.stopped:
             trainer.should_stop = True
-        if self._server is not None and self._server.core.state.schedulers_monitor_per_update:
-            self._server.report_metrics({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self._report_metrics(trainer)
         return loss
+
+    def _report_metrics(self, trainer) -> None:
+        """A plateau scheduler stepped per update reads the latest logged metrics."""
+        schedules = self._learner.exchange.schedules
+        if schedules is not None and schedules.monitor_per_update:
+            schedules.metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+        elif self._server is not None and self._server.core.state is not None \
+                and self._server.core.state.schedules.monitor_per_update:
+            self._server.report_metrics({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     def _guarded(self, fn, *args):
         try:
@@ -386,6 +355,7 @@ class StaleStrategy(ServerStrategyMixin):
         server = self._server
         reports = server.learner_reports
         stats = server.core.stats()
+        stats["server_path"] = self.path
         stats["computations_cancelled"] = sum(m.cancelled for m in reports.values())
         recorder = TraceRecorder()
         for learner in sorted(reports):
@@ -396,24 +366,6 @@ class StaleStrategy(ServerStrategyMixin):
         if path is not None:
             stats["trace_path"] = path
         self._final_stats = stats
-
-    # ------------------------------------------------------------------ collectives
-    @override
-    def reduce(self, tensor, group=None, reduce_op="mean"):
-        return tensor if self._local_collectives else super().reduce(tensor, group, reduce_op)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not self._local_collectives:
-            super().barrier(*args, **kwargs)
-
-    @override
-    def broadcast(self, obj, src: int = 0):
-        return obj if self._local_collectives else super().broadcast(obj, src)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision if self._local_collectives else super().reduce_boolean_decision(decision, all)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -431,7 +383,12 @@ class StaleStrategy(ServerStrategyMixin):
             return super().optimizer_state(optimizer)
 
     def _engine_checkpoint(self) -> dict:
-        return self._server.state_dict()
+        saved = self._server.state_dict()
+        schedules = self._learner.exchange.schedules if self._learner is not None else None
+        if schedules is not None:  # collective: rank 0's learner holds the model and schedules
+            saved.update(version=self._learner.version, updates=self._learner.version,
+                         schedulers=schedules.states())
+        return saved
 
     @classmethod
     @override
@@ -465,7 +422,7 @@ class StaleStrategy(ServerStrategyMixin):
             self._server_group = None
         finally:
             self.undo_patches()
-            self._local_collectives = False
+            self.local_collectives = False
             super().teardown()
 
 

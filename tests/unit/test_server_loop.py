@@ -15,7 +15,7 @@ from torch import nn
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.messages import (HEADER_BYTES, Flag, Kind, Message, TransportError,
                                                          coalesce, payload_text, text_payload)
-from lightning_stale.engine.distributed.server import ParameterServer
+from lightning_stale.engine.distributed.server import CentralPayloads, ParameterServer
 from lightning_stale.engine.distributed.transport import (FRAME_BYTES, INLINE_PAYLOAD_BYTES, ServerEndpoint,
                                                           decode, encode)
 from lightning_stale.engine.state import ModelVectors, ServerState
@@ -45,7 +45,7 @@ def make_server(name, k=None, p=4, on_learner_failure="stop", **limits):
     nn.init.zeros_(module.weight)
     state = ServerState(module, torch.optim.SGD(module.parameters(), lr=1.0))
     core = ServerCore(Variant.create(name, p, k), state, ServerLimits(**limits))
-    server = ParameterServer(core, ModelVectors.of(module), on_learner_failure)
+    server = ParameterServer(core, CentralPayloads(ModelVectors.of(module)), on_learner_failure)
     endpoint = RecordingEndpoint()
     server.endpoint = endpoint
     server._broadcast(Kind.PARAMS)

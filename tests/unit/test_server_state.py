@@ -195,7 +195,7 @@ def test_plateau_scheduler_steps_with_its_monitored_value():
     config.scheduler = scheduler
     state = ServerState(module, optimizer, [config])
     for epoch, loss in enumerate([1.0, 2.0, 3.0]):
-        state.end_epoch(epoch, {"val/loss": loss})
+        state.schedules.end_epoch(epoch, {"val/loss": loss})
     assert state.optimizer.param_groups[0]["lr"] == 0.25  # two epochs without improvement
     with pytest.raises(ValueError, match="monitors 'val/loss'"):
-        state.end_epoch(3, {"train/loss": 1.0})
+        state.schedules.end_epoch(3, {"train/loss": 1.0})

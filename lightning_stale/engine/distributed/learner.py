@@ -22,17 +22,16 @@ from __future__ import annotations
 import math
 import queue
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from lightning_stale.engine.distributed.clocks import POLL_S, MiniBatchClock, Silence
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
 from lightning_stale.engine.distributed.transport import LearnerEndpoint
 from lightning_stale.engine.state import ModelVectors
 
-_POLL_S = 0.1  # how often a waiting learner looks at the server's health
 
 
 class ServerFailed(RuntimeError):
@@ -41,94 +40,6 @@ class ServerFailed(RuntimeError):
 
 class RunInterrupted(RuntimeError):
     """A signal (SIGTERM, SIGINT) on some process stopped the run before it finished."""
-
-
-class MessageLatency:
-    """Running mean of a learner's message round trip without the server's time: for each push
-    answered, (answer received - push sent) - the server's hold, both durations on one clock
-    (the NTP offset/delay method, RFC 5905 section 8), so no clock is shared across machines.
-    The mean of the last ``window`` samples, so it follows the machine's load."""
-
-    def __init__(self, window: int = 64) -> None:
-        self._samples: deque[float] = deque(maxlen=window)
-
-    def observe(self, seconds: float) -> None:
-        self._samples.append(max(0.0, seconds))
-
-    @property
-    def mean(self) -> float:
-        return sum(self._samples) / len(self._samples) if self._samples else 0.0
-
-
-class MiniBatchClock:
-    """When the current mini-batch's time X began, and how much of a drawn delay is left.
-
-    With ``total`` (``delay_mode="total"``), a drawn delay is the mini-batch's whole time X as
-    the server sees it, from the server event that started the mini-batch to the arrival of its
-    gradient (docs/method.md, "Setting"). The server's processing (a message's ``age``), the
-    downlink, waking up, Lightning's step, forward, backward and the uplink to come all count
-    toward it: the start is the server event, moved back by the message's age and the measured
-    round trip (`MessageLatency`). A learner that goes on right after its own push (K-batch-sync)
-    starts at that push. Without ``total``, the whole draw is added after the computation.
-    A pause (an epoch's end) does not count: `resume` moves the start by its length.
-    """
-
-    def __init__(self, total: bool) -> None:
-        self.total = total
-        self.latency = MessageLatency()
-        self._start = self._last_event = self._pushed_at = time.monotonic()
-        self._pushes = self._timed_pushes = 0
-
-    def restart(self) -> None:
-        """A mini-batch starts now, not on a server message (the first one)."""
-        self._start = time.monotonic()
-
-    def resume(self, paused_s: float) -> None:
-        self._start += paused_s
-        self._last_event += paused_s
-
-    def pushed(self) -> None:
-        self._pushes += 1
-        self._pushed_at = time.monotonic()
-
-    def message(self, message: Message) -> None:
-        """A server message arrived: a round-trip sample if it is the first answer to our latest
-        push, and the instant of its server event on this clock."""
-        if message.pushes == self._pushes > self._timed_pushes:
-            self.latency.observe(message.received_at - self._pushed_at - message.hold)
-            self._timed_pushes = self._pushes
-        self._last_event = (message.received_at or time.monotonic()) - message.age - self.latency.mean
-
-    def next_mini_batch(self, started_by_server: bool) -> None:
-        """The next mini-batch began with the latest server message, or with our own push."""
-        self._start = self._last_event if started_by_server else self._pushed_at
-
-    def elapsed(self) -> float:
-        """The current mini-batch's time so far, as the server will see it at its push's arrival
-        (its start includes the uplink to come)."""
-        return time.monotonic() - self._start
-
-    def remaining(self, seconds: float) -> float:
-        """What is left of a drawn delay of ``seconds`` at this instant."""
-        if not self.total:
-            return seconds
-        return max(0.0, seconds - (time.monotonic() - self._start))
-
-
-class _Silence:
-    """How long the server has been silent, seen from one thread; time this process spent
-    frozen or starved does not count (its own messages may be waiting unread)."""
-
-    def __init__(self, endpoint: LearnerEndpoint) -> None:
-        self.endpoint = endpoint
-        self._last_look = self._awake_since = time.monotonic()
-
-    def silent_for(self) -> float:
-        now = time.monotonic()
-        if now - self._last_look > 10 * _POLL_S:
-            self._awake_since = now
-        self._last_look = now
-        return now - max(self.endpoint.last_heard, self._awake_since)
 
 
 @dataclass
@@ -155,10 +66,31 @@ class _Events:
         return self.refreshed or self.stopped
 
 
+class CentralExchange:
+    """How a learner meets a server that holds the parameters: a push carries the gradient (and
+    the learner's buffers), new parameters arrive as a vector."""
+
+    schedules = None  # the server steps the LR schedulers
+
+    def __init__(self, vectors: ModelVectors) -> None:
+        self.vectors = vectors
+
+    def fill_push(self, message: Message) -> None:
+        message.payload, masked = self.vectors.push_vector()
+        if masked:
+            message.flags |= Flag.MASKED
+
+    def take(self, message: Message) -> None:
+        if message.payload is not None:
+            self.vectors.load_state(message.payload)
+
+
 class Learner:
     """Args:
         endpoint: this rank's transport.
         vectors: the module's parameters and buffers as flat vectors.
+        exchange: how gradients leave and parameters arrive (`CentralExchange` by default; the
+            all-reduce of `engine.distributed.collective` for the sync family at scale).
         delay: a straggler model (``sample(rank)``), or None.
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
@@ -168,10 +100,11 @@ class Learner:
     """
 
     def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
-                 waits_for_answer: bool = True, delay_is_total: bool = False,
+                 exchange=None, waits_for_answer: bool = True, delay_is_total: bool = False,
                  server_error: Callable[[], str | None] = lambda: None,
                  server_timeout: float = 30.0) -> None:
         self.endpoint, self.vectors, self.delay = endpoint, vectors, delay
+        self.exchange = CentralExchange(vectors) if exchange is None else exchange
         self.waits_for_answer = waits_for_answer
         self.clock = MiniBatchClock(delay_is_total)
         self.rank = endpoint.rank
@@ -185,11 +118,12 @@ class Learner:
         self.last_x = math.nan  # the latest pushed mini-batch's time X, as the server saw it
         self.paused_at: float | None = None  # the server ended an epoch; training is paused
         self.carried: _Carried | None = None
+        self._deferred: list[Message] = []  # parameters that arrived during a pause
         self.dead_learners = 0  # learners the server has lost (on_learner_failure="continue")
         self._validation_state: torch.Tensor | None = None  # the server's, for validation
         self._own_state: torch.Tensor | None = None  # ours, while validating
         self._raised: str | None = None
-        self._poll, self._watch = _Silence(endpoint), _Silence(endpoint)  # this thread's, the watchdog's
+        self._poll, self._watch = Silence(endpoint), Silence(endpoint)  # this thread's, the watchdog's
 
     # ------------------------------------------------------------------ waiting
     @property
@@ -213,7 +147,7 @@ class Learner:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._silent_for()
         while True:
-            remaining = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            remaining = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if remaining <= 0:
                 return []
             try:
@@ -254,11 +188,16 @@ class Learner:
                     self.paused_at = time.monotonic()
                 events.paused = True
                 continue
+            if m.kind == Kind.PARAMS and self.paused:
+                # Taken when training goes on: an all-reduce must not cross validation's collectives.
+                self._deferred.append(m)
+                continue
             self.clock.message(m)
-            if m.payload is not None and (m.version != self.version or m.kind == Kind.STOP):
-                self.vectors.load_state(m.payload)
+            if m.kind in (Kind.PARAMS, Kind.STOP) and (m.version != self.version or m.kind == Kind.STOP):
+                self.exchange.take(m)
                 self.version = m.version
-                self._own_state = None  # whatever was saved for after validation is superseded
+                if m.payload is not None:
+                    self._own_state = None  # what was saved for after validation is superseded
             events.refreshed |= m.kind == Kind.PARAMS
             events.answered |= m.kind == Kind.CONTINUE
             if m.kind == Kind.STOP:
@@ -296,8 +235,7 @@ class Learner:
         if unusable is not None:
             message.flags, message.error = Flag.UNUSABLE, unusable
         else:
-            message.payload, masked = self.vectors.push_vector()
-            message.flags = Flag.MASKED if masked else 0
+            self.exchange.fill_push(message)
         return message
 
     def _step(self, push: Message, started_at: float) -> bool:
@@ -369,13 +307,18 @@ class Learner:
         if self.paused_at is not None:
             self.clock.resume(time.monotonic() - self.paused_at)
             self.paused_at = None
+        deferred, self._deferred = self._deferred, []
+        events = self._absorb(deferred + self._drain())  # what came during the pause, in order
         work, self.carried = self.carried, None
         if work is None or self.stopped:
             return
         started_by_server = True
         try:
-            if work.push is None:
-                started_by_server = self._await_answer()
+            if work.push is None:  # waiting for the answer to its push
+                if not (events.refreshed or events.answered):
+                    started_by_server = self._await_answer()
+            elif events.interrupts:
+                self.cancelled += 1  # an update made it stale while it was paused
             else:
                 started_by_server = self._delay_and_push(work)
         finally:

@@ -21,10 +21,12 @@ import time
 import traceback
 from typing import Mapping
 
+from torch import Tensor
+
 from lightning_stale.engine.core import Outcome, ServerCore
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
 from lightning_stale.engine.distributed.transport import ServerEndpoint
-from lightning_stale.engine.state import ModelVectors
+from lightning_stale.engine.state import Contribution, ModelVectors
 from lightning_stale.method.rules import Decision
 
 log = logging.getLogger(__name__)
@@ -34,19 +36,34 @@ LEARNER_FAILURE_MODES = ("stop", "continue")
 _RESUME, _METRICS = "resume", "metrics"
 
 
+class CentralPayloads:
+    """What travels when the server holds the parameters: a push carries the gradient (split by
+    ``vectors``), and every message that refreshes, pauses or stops a learner carries the
+    server's parameters and buffers."""
+
+    def __init__(self, vectors: ModelVectors) -> None:
+        self.vectors = vectors
+
+    def contribution(self, message: Message) -> Contribution:
+        return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
+
+    def parameters(self, core: ServerCore, kind: Kind, decision: Decision | None) -> Tensor | None:
+        return None if kind == Kind.CONTINUE else core.state.snapshot(core.version)
+
+
 class ParameterServer:
     """Runs a `ServerCore` on its own thread (see the module docstring).
 
     Args:
         core: the decisions, state and books; its clock is ``time.monotonic()``.
-        vectors: the layout of a push (gradients, buffers, presence mask).
+        payloads: what pushes and answers carry (`CentralPayloads`, or the collective path's).
         on_learner_failure: "stop" (a learner that dies ends the run) or "continue".
         heartbeat_s: a learner that heard nothing for this long gets a heartbeat.
     """
 
-    def __init__(self, core: ServerCore, vectors: ModelVectors, on_learner_failure: str = "stop",
+    def __init__(self, core: ServerCore, payloads, on_learner_failure: str = "stop",
                  heartbeat_s: float = 1.0) -> None:
-        self.core, self.vectors = core, vectors
+        self.core, self.payloads = core, payloads
         self.on_learner_failure, self.heartbeat_s = on_learner_failure, heartbeat_s
         self.events: queue.Queue = queue.Queue()
         self.lock = threading.Lock()  # held while the core changes (checkpoints read it)
@@ -123,9 +140,7 @@ class ParameterServer:
     def _on_push(self, message: Message) -> None:
         self._cause = message.received_at or time.monotonic()  # answers count their age from here
         unusable = message.error if message.flags & Flag.UNUSABLE else None
-        contribution = None
-        if unusable is None:
-            contribution = self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
+        contribution = None if unusable is not None else self.payloads.contribution(message)
         with self.lock:
             outcome = self.core.push(message.learner, message.version, self._cause,
                                      contribution=contribution, loss=message.loss,
@@ -161,7 +176,7 @@ class ParameterServer:
 
     def _send_decision(self, decision: Decision) -> None:
         for learner in decision.refresh:
-            self._send(learner, Kind.PARAMS)
+            self._send(learner, Kind.PARAMS, decision)
         if self.core.rules.variant.pusher_needs_answer:  # else the pusher went on without waiting
             for learner in decision.resume:
                 self._send(learner, Kind.CONTINUE)
@@ -186,9 +201,9 @@ class ParameterServer:
                                                 payload=text_payload(reason)))
 
     # ------------------------------------------------------------------ sending
-    def _send(self, learner: int, kind: Kind) -> None:
+    def _send(self, learner: int, kind: Kind, decision: Decision | None = None) -> None:
         core = self.core
-        payload = None if kind == Kind.CONTINUE else core.state.snapshot(core.version)
+        payload = self.payloads.parameters(core, kind, decision)
         self.endpoint.send(learner, Message(kind, learner, core.version, core.epoch, payload=payload,
                                             dead=len(core.rules.counts.dead_learners),
                                             caused_at=self._cause))

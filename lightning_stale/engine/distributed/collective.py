@@ -1,0 +1,130 @@
+"""The sync family at scale: the K gradients of an update meet in one all-reduce.
+
+In Fully sync, K-sync and K-batch-sync every update refreshes every learner, so every learner
+can hold the parameters and apply the update itself, as DDP does. Traffic is then an all-reduce
+per update (about 2N(P-1)/P values per rank, on the default process group: NCCL on GPUs, device
+to device), instead of every gradient and every parameter vector passing through rank 0.
+
+The decisions stay with the server core on rank 0, fed with headers only (version, loss,
+samples): when the rules complete an update, every learner gets one small message naming how
+many of its pushed gradients the update takes (docs/method.md, "The six variants": K gradients
+from the first pushers; a K-batch-sync learner may have several). Each learner adds those
+gradients (weighted 1/K; zeros if it has none), the sum goes round the all-reduce, and every
+learner steps its own optimizer and schedulers with the result: the same update on every rank.
+Buffers are averaged over the update's gradients too (integer buffers: the largest), as the
+central server does.
+
+What this path gives up: an update needs every learner in the all-reduce. A learner waiting in
+an injected delay is interrupted as on every path, but a learner still inside its forward or
+backward pass (a real straggler) holds the update until that pass ends, and its gradient is then
+discarded as cancelled. The central server (``server="central"``) never waits for it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.schedules import Schedules
+from lightning_stale.engine.state import ModelVectors, load_gradients
+from lightning_stale.method.rules import Update
+
+
+def update_payload(update: Update, p: int) -> Tensor:
+    """What every learner hears of an update: [K, gradients taken from learner 0, ..., P-1]."""
+    payload = torch.zeros(p + 1, dtype=torch.float64)
+    payload[0] = len(update.gradients)
+    for push in update.gradients:
+        payload[1 + push.learner] += 1
+    return payload
+
+
+class CollectivePayloads:
+    """The server's side of the collective path: pushes are headers, and a refresh (every
+    learner, at every update of the sync family) carries `update_payload`; nothing else
+    carries parameters, since every learner holds them."""
+
+    def contribution(self, message: Message) -> None:
+        return None
+
+    def parameters(self, core, kind: Kind, decision) -> Tensor | None:
+        if kind == Kind.PARAMS and decision is not None and decision.update is not None:
+            return update_payload(decision.update, core.rules.p)
+        return None
+
+
+class CollectiveExchange:
+    """A learner's side of the collective path (see the module docstring).
+
+    Args:
+        vectors: the module's trainable parameters and buffers.
+        optimizer: the module's own optimizer, stepped by every learner.
+        schedules: its LR schedulers, stepped per update (here) and per epoch (by the strategy)
+            on every learner.
+        rank: this learner's global rank.
+        device: where gradients are summed (the module's device: NCCL needs CUDA tensors).
+        clip: clips the averaged gradient before the step (the Trainer's gradient clipping), or None.
+        group: the process group of the all-reduce (None: the default group).
+    """
+
+    def __init__(self, vectors: ModelVectors, optimizer: Optimizer, schedules: Schedules, rank: int,
+                 device: torch.device, clip: Callable[[Optimizer], None] | None = None,
+                 group=None) -> None:
+        self.vectors, self.optimizer, self.schedules = vectors, optimizer, schedules
+        self.rank, self.device, self.clip, self.group = rank, device, clip, group
+        self._pending: list[Tensor] = []  # this learner's pushed gradients, oldest first
+        self._size = vectors.state_numel + len(vectors.params)
+        offsets, start = [], vectors.numel
+        for b in vectors.buffers:
+            offsets.append((start, start + b.numel(), b.is_floating_point()))
+            start += b.numel()
+        self._integers = [(a, z) for a, z, floating in offsets if not floating]
+
+    def fill_push(self, message: Message) -> None:
+        """The gradient stays here until an update takes it; only the header travels."""
+        vector, _ = self.vectors.push_vector(mask=True, device=self.device)
+        self._pending.append(vector)
+
+    def take(self, message: Message) -> None:
+        """An update: add this learner's share, all-reduce, step. (The first parameters and the
+        stop carry no update: every learner holds the parameters already.)"""
+        if message.kind != Kind.PARAMS or message.payload is None:
+            return
+        k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
+        taken, self._pending = self._pending[:mine], []  # the rest crossed the update: stale
+        reduced = torch.zeros(self._size, dtype=self.vectors.dtype, device=self.device)
+        for vector in taken:
+            reduced.add_(vector, alpha=1.0 / k)
+        dist.all_reduce(reduced, group=self.group)
+        largest = self._largest_integers(taken)
+        n, s = self.vectors.numel, self.vectors.state_numel
+        load_gradients(self.vectors.params, reduced[:n], reduced[s:] > 0)
+        if self.clip is not None:
+            self.clip(self.optimizer)
+        self.optimizer.step()
+        with torch.no_grad():
+            buffers = reduced[n:s]
+            for (a, z), value in zip(self._integers, largest):
+                buffers[a - n:z - n] = value
+            offset = 0
+            for b in self.vectors.buffers:
+                b.copy_(buffers[offset:offset + b.numel()].view_as(b).round() if not b.is_floating_point()
+                        else buffers[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+        self.schedules.after_update(message.version)
+
+    def _largest_integers(self, taken: list[Tensor]) -> list[Tensor]:
+        """Integer buffers (e.g. BatchNorm's batch count) take the largest pushed value."""
+        if not self._integers:
+            return []
+        sizes = [z - a for a, z in self._integers]
+        local = torch.full((sum(sizes),), float("-inf"), dtype=self.vectors.dtype, device=self.device)
+        for vector in taken:
+            local = torch.maximum(local, torch.cat([vector[a:z] for a, z in self._integers]))
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+        return list(torch.split(local, sizes))

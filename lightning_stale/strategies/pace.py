@@ -1,0 +1,58 @@
+"""Learners at their own pace, and Lightning's collectives.
+
+Inside training batches every learner runs at its own pace: a collective issued there, e.g.
+``self.log(..., sync_dist=True)`` in ``training_step`` or a callback's barrier, would pair up calls
+from different steps and deadlock. The strategy answers those locally; at epoch ends and in
+validation every learner is in step again and collectives are real, unless a learner has died
+(``on_learner_failure="continue"``): the default process group then lacks a member for the rest
+of the fit, so collectives stay local and validation is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pytorch_lightning import Callback
+
+
+class _Pace(Callback):
+    """Marks when learners run at their own pace (inside training batches)."""
+
+    def __init__(self, strategy: OwnPaceCollectives) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.strategy.local_collectives = True
+
+    def on_validation_start(self, *args: Any) -> None:
+        self.strategy.local_collectives = self.strategy.lost_learner
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self.strategy.local_collectives = self.strategy.lost_learner
+
+
+class OwnPaceCollectives:
+    """Mixin for a DDP-style strategy: collectives are local while learners are out of step."""
+
+    local_collectives = False
+    lost_learner = False  # a learner died: no collective can complete any more
+
+    def track_pace(self, trainer: Any) -> Callable[[], None]:
+        """Start tracking the phases of ``trainer``'s fit; returns the undo."""
+        pace = _Pace(self)
+        trainer.callbacks.insert(0, pace)
+        self.lost_learner = False
+        return lambda: trainer.callbacks.remove(pace)
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        return tensor if self.local_collectives else super().reduce(tensor, group, reduce_op)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self.local_collectives:
+            super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj, src: int = 0):
+        return obj if self.local_collectives else super().broadcast(obj, src)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision if self.local_collectives else super().reduce_boolean_decision(decision, all)
