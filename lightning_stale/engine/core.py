@@ -70,6 +70,8 @@ class Outcome:
     record: UpdateRecord | None = None
     epoch_ended: bool = False
     stopped: bool = False
+    contributions: tuple = ()  # what the update applied (as the engine handed them in)
+    weights: tuple[float, ...] | None = None  # their staleness-compensation weights
 
 
 class ServerCore:
@@ -162,9 +164,7 @@ class ServerCore:
         decision = self.rules.on_push(learner, version, unusable)
         if decision.accepted:
             self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
-        record = None
-        if decision.update is not None:
-            record = self._apply(decision.update, clock)
+        applied = self._apply(decision.update, clock) if decision.update is not None else None
         self._pushes_this_epoch += 1
         epoch_ended = 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
         if epoch_ended:
@@ -172,17 +172,18 @@ class ServerCore:
         elif 0 <= self.limits.max_updates <= self.updates:
             self.stop()
         self._forget_unused_snapshots()
-        return Outcome(decision, decision.update, record, epoch_ended, self.rules.stopped)
+        return Outcome(decision, decision.update, epoch_ended=epoch_ended, stopped=self.rules.stopped,
+                       **(applied or {}))
 
     def remove_learner(self, learner: int, clock: float) -> Outcome:
         """Learner ``learner`` died: K is clamped to the learners left, which may complete an
         update now (see `ServerRules.remove_learner`)."""
         decision = self.rules.remove_learner(learner)
-        record = self._apply(decision.update, clock) if decision.update is not None else None
+        applied = self._apply(decision.update, clock) if decision.update is not None else None
         if 0 <= self.limits.max_updates <= self.updates:
             self.stop()
         self._forget_unused_snapshots()
-        return Outcome(decision, decision.update, record, stopped=self.rules.stopped)
+        return Outcome(decision, decision.update, stopped=self.rules.stopped, **(applied or {}))
 
     def end_epoch(self) -> None:
         """An epoch ended; training stops if that was the last epoch or update."""
@@ -238,16 +239,20 @@ class ServerCore:
         self._snapshot_current()
 
     # ------------------------------------------------------------------ internals
-    def _apply(self, update: Update, clock: float) -> UpdateRecord:
+    def _apply(self, update: Update, clock: float) -> dict:
+        """Apply ``update`` (where the core holds the state), write its record; returns the
+        Outcome's fields about it."""
         pushed = [self._pending.pop(g.id) for g in update.gradients]
+        weights = None
+        if self.compensation is not None and self.state is not None:
+            numel = self.state.vectors.numel  # the parameters, without the buffers
+            weights = self.compensation.weights(
+                update, current_params=self.state.snapshot(update.version - 1)[:numel],
+                params_at=lambda v: self._snapshots[v][:numel],
+                lr=self.state.optimizer.param_groups[0]["lr"])
+        elif self.compensation is not None:  # weights from staleness alone
+            weights = self.compensation.weights(update)
         if self.state is not None:
-            weights = None
-            if self.compensation is not None:
-                numel = self.state.vectors.numel  # the parameters, without the buffers
-                weights = self.compensation.weights(
-                    update, current_params=self.state.snapshot(update.version - 1)[:numel],
-                    params_at=lambda v: self._snapshots[v][:numel],
-                    lr=self.state.optimizer.param_groups[0]["lr"])
             self.state.apply([p.contribution for p in pushed], weights, update.index)
             self._snapshot_current()
         self.samples += sum(p.samples for p in pushed)
@@ -263,7 +268,8 @@ class ServerCore:
             k = self.adaptive.observe(self._last_update_s, record.loss)
             if k is not None and k != self.rules.k:
                 self.rules.set_k(k)  # between updates: nothing is pending now
-        return record
+        return {"record": record, "contributions": tuple(p.contribution for p in pushed),
+                "weights": None if weights is None else tuple(weights)}
 
     def _snapshot_current(self) -> None:
         if self.keep_snapshots:

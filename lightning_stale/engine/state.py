@@ -123,20 +123,26 @@ class ModelVectors:
         return list(torch.split(flat, sizes))
 
 
-def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor]) -> Optimizer:
+def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor], only_mapped: bool = False) -> Optimizer:
     """The same optimizer over the server's copies of the parameters (``mapping``: id of a
-    learner parameter -> its server copy; other tensors, e.g. frozen ones, are kept as they are).
+    learner parameter -> its server copy; other tensors, e.g. frozen ones, are kept as they are,
+    or left out with ``only_mapped``: a shard of the parameters; every group is kept, even
+    emptied, so that per-group schedules still line up).
 
     The optimizer's own class is built with the constructor arguments its ``defaults`` name (a
     class whose ``defaults`` hold more than its constructor takes, like torch's AdamW, is fine);
-    a constructor that cannot be called that way is bypassed with a deep copy instead. The
-    state (momentum, moments, step counts) is then loaded from the learner's optimizer."""
+    a constructor that cannot be called that way is bypassed with a deep copy instead. Each
+    parameter's state (momentum, moments, step counts) is copied from the learner's optimizer."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates the loss several times per step, which a parameter "
                          "server cannot do: it applies gradients computed elsewhere. Use a "
                          "first-order optimizer (SGD, Adam, AdamW, ...)")
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [mapping.get(id(p), p) for p in g["params"]]} for g in optimizer.param_groups]
+
+    def kept(group: dict) -> list[Tensor]:
+        return [mapping.get(id(p), p) for p in group["params"] if not only_mapped or id(p) in mapping]
+
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": kept(g)}
+              for g in optimizer.param_groups]
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     try:
@@ -144,7 +150,14 @@ def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor]) -> Opti
     except (TypeError, ValueError):
         memo = {id(p): mapping.get(id(p), p) for g in optimizer.param_groups for p in g["params"]}
         clone = copy.deepcopy(optimizer, memo)
-    clone.load_state_dict(optimizer.state_dict())  # momentum etc. after a resume
+        for group, original in zip(clone.param_groups, optimizer.param_groups):
+            group["params"] = kept(original)
+        clone.state.clear()
+    for learner_param, state in optimizer.state.items():
+        server_param = mapping.get(id(learner_param))
+        if server_param is not None:  # momentum etc. after a resume
+            clone.state[server_param] = {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+                                         for k, v in state.items()}
     return clone
 
 
@@ -159,12 +172,16 @@ class ServerState:
         buffers: keep the module's buffers here (False where learners share one module).
         clip: clips the averaged gradient before the step (the Trainer's gradient clipping, as
             DDP applies it to its averaged gradient), or None.
+        tensors: indices of the trainable parameters this state holds (a shard of the server,
+            `engine.distributed.sharded`); None: all of them.
     """
 
     def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),
-                 buffers: bool = True, clip: Callable[[Optimizer], None] | None = None) -> None:
+                 buffers: bool = True, clip: Callable[[Optimizer], None] | None = None,
+                 tensors: Sequence[int] | None = None) -> None:
         learner = ModelVectors.of(module, buffers)
-        self.params = [p.detach().clone().requires_grad_(True) for p in learner.params]
+        owned = learner.params if tensors is None else [learner.params[i] for i in tensors]
+        self.params = [p.detach().clone().requires_grad_(True) for p in owned]
         self.buffers = [b.detach().clone() for b in learner.buffers]
         module_params = {id(p) for p in module.parameters()}
         foreign = [p for g in optimizer.param_groups for p in g["params"]
@@ -173,8 +190,8 @@ class ServerState:
             raise ValueError(f"the optimizer holds {len(foreign)} trainable tensor(s) that are not "
                              "parameters of the LightningModule; learners push the module's "
                              "gradients only: register them as module parameters (nn.Parameter)")
-        self.optimizer = clone_optimizer(
-            optimizer, {id(lp): sp for lp, sp in zip(learner.params, self.params)})
+        self.optimizer = clone_optimizer(optimizer, {id(lp): sp for lp, sp in zip(owned, self.params)},
+                                         only_mapped=tensors is not None)
         self._sparse = isinstance(self.optimizer, torch.optim.SparseAdam)
         self.clip = clip
         self.schedules = Schedules(schedulers, self.optimizer)
@@ -217,10 +234,7 @@ class ServerState:
 
     def named_state(self, module: nn.Module) -> dict[str, Tensor]:
         """The server's parameters and buffers under the names ``module.state_dict`` uses."""
-        learner = ModelVectors.of(module, bool(self.buffers))
-        by_id = {id(t): s for t, s in zip(learner.params + learner.buffers, self.params + self.buffers)}
-        return {name: by_id[id(t)].detach().clone()
-                for name, t in module.state_dict(keep_vars=True).items() if id(t) in by_id}
+        return named_state(module, self.vectors.state_vector(), bool(self.buffers))
 
     # ------------------------------------------------------------------ internals
     def _combine_buffers(self, contributions: Sequence[Contribution]) -> None:
@@ -232,6 +246,16 @@ class ServerState:
         for b, mean, largest in zip(self.buffers, torch.split(stacked.mean(0), sizes),
                                     torch.split(stacked.max(0).values, sizes)):
             b.copy_((mean if b.is_floating_point() else largest.round()).view_as(b))
+
+
+def named_state(module: nn.Module, vector: Tensor, buffers: bool = True) -> dict[str, Tensor]:
+    """A parameters-and-buffers vector of ``module`` under the names ``module.state_dict`` uses
+    (only the tensors the vector holds: frozen parameters stay the module's own)."""
+    layout = ModelVectors.of(module, buffers)
+    tensors = layout.params + layout.buffers
+    parts = torch.split(vector, [t.numel() for t in tensors])
+    by_id = {id(t): part.view_as(t).to(t.dtype).clone() for t, part in zip(tensors, parts)}
+    return {name: by_id[id(t)] for name, t in module.state_dict(keep_vars=True).items() if id(t) in by_id}
 
 
 def load_gradients(params: Sequence[Tensor], flat: Tensor, present: Tensor | None = None,

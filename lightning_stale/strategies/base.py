@@ -233,9 +233,9 @@ class ServerStrategyMixin:
         return state_dict
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        core = self.core
-        if core is not None and core.state is not None:
-            return core.state.optimizer.state_dict()
+        state = self.server_state()
+        if state is not None:
+            return state.optimizer.state_dict()
         return super().optimizer_state(optimizer)
 
     def _engine_checkpoint(self) -> dict:

@@ -24,6 +24,7 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
+from lightning_stale.strategies.checkpoints import ServerCheckpoint
 from lightning_stale.strategies.faults import SignalTrap, Watchdog, watched_launcher
 from lightning_stale.strategies.lightning_api import (process_group_backend, replace_sigterm_broadcast,
                                                      set_global_step, sync_batchnorm_requested)
@@ -232,7 +233,8 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self.lost_learner = False
         self._epoch = trainer.current_epoch
         self.path = choose_path(self.server, variant, ModelVectors.of(self.lightning_module).numel,
-                                self.on_learner_failure, self.staleness_compensation)
+                                self.on_learner_failure, self.staleness_compensation,
+                                clips=self._clip is not None)
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
@@ -241,6 +243,9 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
                                            self.optimizers[0], self._schedulers, variant, limits, options,
                                            self._resume, self._clip)
         self._learner, self._resume = learner, None
+        self.shard_layout = getattr(learner.exchange, "layout", None)
+        self.shard_params = learner.vectors.params
+        self._checkpoint = ServerCheckpoint(self)
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
         trap = SignalTrap(self.global_rank)
@@ -301,12 +306,19 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
 
     def _report_metrics(self, trainer) -> None:
         """A plateau scheduler stepped per update reads the latest logged metrics."""
+        if not any(c.reduce_on_plateau and c.interval == "step" for c in self._schedulers):
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         schedules = self._learner.exchange.schedules
-        if schedules is not None and schedules.monitor_per_update:
-            schedules.metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
-        elif self._server is not None and self._server.core.state is not None \
-                and self._server.core.state.schedules.monitor_per_update:
-            self._server.report_metrics({k: float(v) for k, v in trainer.callback_metrics.items()})
+        if schedules is not None:  # collective: every learner steps its own
+            schedules.metrics.update(metrics)
+        elif self._server is not None:
+            self._server.report_metrics(metrics)
+
+    def check_server(self) -> None:
+        """Raise if the server failed (while rank 0 waits for something from it)."""
+        if self._server is not None and self._server.error:
+            raise (RunInterrupted if self._server.interrupted else ServerFailed)(self._server.error)
 
     def _guarded(self, fn, *args):
         try:
@@ -340,15 +352,20 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         if self._watchdog is not None:
             self._watchdog.stop()
         learner.close(self.shutdown_timeout)
-        if self._server is None:
-            return
+        if self._server is not None:
+            self._finish_server()
+        stuck = learner.exchange.close(self.shutdown_timeout)
+        if stuck:
+            raise ServerFailed(f"threads still running after shutdown: {stuck}")
+
+    def _finish_server(self) -> None:
         if not self._server.join(self.shutdown_timeout):
             raise ServerFailed(f"the parameter server did not finish within {self.shutdown_timeout} s")
         stuck = self._server.endpoint.join(self.shutdown_timeout)
         if stuck:
             raise ServerFailed(f"server threads still running after shutdown: {stuck}")
-        if self._server.error:
-            raise (RunInterrupted if self._server.interrupted else ServerFailed)(self._server.error)
+        self.check_server()
+        self._checkpoint.finish()
         self._collect_stats()
 
     def _collect_stats(self) -> None:
@@ -369,26 +386,21 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
 
     # ------------------------------------------------------------------ checkpoints
     @override
+    def server_state(self) -> Any:
+        return None  # the checkpoint's parts come from `ServerCheckpoint`, per path
+
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._server is None:
-            return super().lightning_module_state_dict()
-        with self._server.lock:
-            return super().lightning_module_state_dict()
+        state_dict = super().lightning_module_state_dict()
+        return self._checkpoint.module_state(state_dict) if self._server is not None else state_dict
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if self._server is None:
-            return super().optimizer_state(optimizer)
-        with self._server.lock:
-            return super().optimizer_state(optimizer)
+        own = super().optimizer_state(optimizer)
+        return self._checkpoint.optimizer_state(own) if self._server is not None else own
 
     def _engine_checkpoint(self) -> dict:
-        saved = self._server.state_dict()
-        schedules = self._learner.exchange.schedules if self._learner is not None else None
-        if schedules is not None:  # collective: rank 0's learner holds the model and schedules
-            saved.update(version=self._learner.version, updates=self._learner.version,
-                         schedulers=schedules.states())
-        return saved
+        return self._checkpoint.engine_state()
 
     @classmethod
     @override

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_stale.engine.core import ServerCore, ServerLimits
-from lightning_stale.engine.distributed.messages import (HEADER_BYTES, Flag, Kind, Message, TransportError,
+from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, Flag, Kind, Message, TransportError,
                                                          coalesce, payload_text, text_payload)
 from lightning_stale.engine.distributed.server import CentralPayloads, ParameterServer
 from lightning_stale.engine.distributed.transport import (FRAME_BYTES, INLINE_PAYLOAD_BYTES, ServerEndpoint,
@@ -267,10 +267,10 @@ def test_coalesce_keeps_the_newest_parameters_and_every_epoch_end():
 @pytest.mark.parametrize("corrupt,match", [
     (lambda f: f[:10], "shorter than a header"),
     (lambda f: torch.cat([torch.zeros(8, dtype=torch.uint8), f[8:]]), "not a lightning_stale message"),
-    (lambda f: _with_field(f, 1, 99), "protocol version 99"),
-    (lambda f: _with_field(f, 2, 42), "unknown kind 42"),
-    (lambda f: _with_field(f, 11, 10**9), "announced a payload of 1000000000 values"),
-    (lambda f: _with_field(f, 12, 17), "unknown dtype code 17"),
+    (lambda f: _with_field(f, "protocol", 99), "protocol version 99"),
+    (lambda f: _with_field(f, "kind", 42), "unknown kind 42"),
+    (lambda f: _with_field(f, "numel", 10**9), "announced a payload of 1000000000 values"),
+    (lambda f: _with_field(f, "dtype", 17), "unknown dtype code 17"),
 ])
 def test_a_frame_that_does_not_parse_is_refused_naming_the_sender(corrupt, match):
     frame, _ = encode(Message(Kind.PUSH, version=1, payload=torch.ones(3)))
@@ -279,7 +279,8 @@ def test_a_frame_that_does_not_parse_is_refused_naming_the_sender(corrupt, match
     assert "learner 2" in str(error.value)
 
 
-def _with_field(frame, index, value):
-    """The frame with its header's int64 field number ``index`` set to ``value``."""
+def _with_field(frame, name, value):
+    """The frame with its header's int64 field ``name`` set to ``value``."""
+    index = [field for field, _ in HEADER].index(name)
     frame[index * 8:(index + 1) * 8] = torch.tensor([value], dtype=torch.int64).view(torch.uint8)
     return frame

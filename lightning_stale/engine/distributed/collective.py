@@ -45,17 +45,25 @@ def update_payload(update: Update, p: int) -> Tensor:
 
 
 class CollectivePayloads:
-    """The server's side of the collective path: pushes are headers, and a refresh (every
-    learner, at every update of the sync family) carries `update_payload`; nothing else
-    carries parameters, since every learner holds them."""
+    """The server's side of the collective path (hooks as `server.CentralPayloads`): pushes are
+    headers, and a refresh (every learner, at every update of the sync family) carries
+    `update_payload`; nothing else carries parameters, since every learner holds them."""
 
     def contribution(self, message: Message) -> None:
         return None
 
-    def parameters(self, core, kind: Kind, decision) -> Tensor | None:
-        if kind == Kind.PARAMS and decision is not None and decision.update is not None:
-            return update_payload(decision.update, core.rules.p)
-        return None
+    def fill(self, message: Message, core, decision) -> None:
+        if message.kind == Kind.PARAMS and decision is not None and decision.update is not None:
+            message.payload = update_payload(decision.update, core.rules.p)
+
+    def on_update(self, update, contributions, weights) -> None:
+        pass
+
+    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
+        pass  # every learner steps its own
+
+    def on_stop(self) -> None:
+        pass
 
 
 class CollectiveExchange:
@@ -86,9 +94,18 @@ class CollectiveExchange:
         self._integers = [(a, z) for a, z, floating in offsets if not floating]
 
     def fill_push(self, message: Message) -> None:
+        message.payload, _ = self.vectors.push_vector(mask=True, device=self.device)
+
+    def before_push(self, message: Message) -> None:
         """The gradient stays here until an update takes it; only the header travels."""
-        vector, _ = self.vectors.push_vector(mask=True, device=self.device)
-        self._pending.append(vector)
+        self._pending.append(message.payload)
+        message.payload = None
+
+    def resolve(self, message: Message, check) -> None:
+        pass
+
+    def close(self, timeout: float) -> list[str]:
+        return []
 
     def take(self, message: Message) -> None:
         """An update: add this learner's share, all-reduce, step. (The first parameters and the

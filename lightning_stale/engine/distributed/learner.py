@@ -76,13 +76,24 @@ class CentralExchange:
         self.vectors = vectors
 
     def fill_push(self, message: Message) -> None:
+        """The gradient, taken when the mini-batch's computation ends."""
         message.payload, masked = self.vectors.push_vector()
         if masked:
             message.flags |= Flag.MASKED
 
+    def before_push(self, message: Message) -> None:
+        """The push leaves now (not when cancelled work is thrown away)."""
+
+    def resolve(self, message: Message, check: Callable[[], None]) -> None:
+        """Complete a message's parameters, where they come in parts."""
+
     def take(self, message: Message) -> None:
         if message.payload is not None:
             self.vectors.load_state(message.payload)
+
+    def close(self, timeout: float) -> list[str]:
+        """After the stop: release what the exchange holds; names of threads still running."""
+        return []
 
 
 class Learner:
@@ -141,6 +152,18 @@ class Learner:
     def _silent_for(self) -> float:
         return self._poll.silent_for()
 
+    def _check_health(self) -> None:
+        """Raise if the server failed or went silent (while waiting for anything)."""
+        error = self._server_error()
+        silent = self._silent_for()
+        if not error and not self.endpoint.local and silent > self.server_timeout:
+            error = (f"learner {self.rank}: no message from the server for {silent:.0f} s: "
+                     "its process is gone or frozen")
+        error = error or self.endpoint.failure
+        if error:
+            self._raised = error
+            raise ServerFailed(error)
+
     def _wait(self, timeout: float | None) -> list[Message]:
         """The server's messages other than heartbeats, blocking up to ``timeout`` seconds
         (None: until one arrives); raises if the server failed or went silent."""
@@ -153,14 +176,7 @@ class Learner:
             try:
                 first = self.endpoint.inbox.get(timeout=remaining)
             except queue.Empty:
-                error = self._server_error()
-                silent = self._silent_for()
-                if not error and not self.endpoint.local and silent > self.server_timeout:
-                    error = (f"learner {self.rank}: no message from the server for {silent:.0f} s: "
-                             "its process is gone or frozen")
-                if error:
-                    self._raised = error
-                    raise ServerFailed(error) from None
+                self._check_health()
                 continue
             messages = [m for m in [first, *self._drain()] if m.kind != Kind.HEARTBEAT]
             if messages:
@@ -183,6 +199,7 @@ class Learner:
             self.server_epochs = max(self.server_epochs, m.epoch)
             self.dead_learners = max(self.dead_learners, m.dead)
             if m.kind == Kind.EPOCH:
+                self.exchange.resolve(m, self._check_health)
                 self._validation_state = m.payload
                 if self.paused_at is None:
                     self.paused_at = time.monotonic()
@@ -193,6 +210,8 @@ class Learner:
                 self._deferred.append(m)
                 continue
             self.clock.message(m)
+            if m.kind in (Kind.PARAMS, Kind.STOP):
+                self.exchange.resolve(m, self._check_health)
             if m.kind in (Kind.PARAMS, Kind.STOP) and (m.version != self.version or m.kind == Kind.STOP):
                 self.exchange.take(m)
                 self.version = m.version
@@ -275,6 +294,7 @@ class Learner:
                 return True
         self.pushes += 1
         self.last_x = self.clock.elapsed()
+        self.exchange.before_push(work.push)
         self.clock.pushed()
         self.endpoint.push(work.push)
         if not self.waits_for_answer:

@@ -17,14 +17,14 @@ import torch
 from torch import Tensor
 
 MAGIC = 0x5354414C45  # "STALE"
-PROTOCOL = 3
+PROTOCOL = 4
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8)
 
 # (field, struct format), in wire order; little-endian, no padding.
 HEADER = (
     ("magic", "q"), ("protocol", "q"), ("kind", "q"), ("learner", "q"), ("version", "q"),
     ("epoch", "q"), ("samples", "q"), ("cancelled", "q"), ("pushes", "q"), ("flags", "q"),
-    ("dead", "q"),
+    ("dead", "q"), ("seq", "q"), ("delivery", "q"),
     ("numel", "q"), ("dtype", "q"), ("inline", "q"),
     ("loss", "d"), ("hold", "d"), ("age", "d"),
 )
@@ -46,12 +46,29 @@ class Kind(IntEnum):
     EPOCH = 7  # server -> learner: an epoch ended; payload = the parameters to validate
     ABORT = 8  # either way: the run failed or was interrupted; payload = the reason (utf-8)
     HEARTBEAT = 9  # server -> learner: the server is alive (sent when it has nothing else to say)
+    # The sharded path (engine.distributed.sharded): data between learners and shard owners,
+    # and the server's orders to the owners.
+    PIECE = 10  # learner -> owner: its part of push ``seq`` (gradients, buffers, presence)
+    SLICE = 11  # owner -> learner: its part of the parameters of ``version``, for ``delivery``
+    STATE = 12  # owner -> rank 0: its parameters and (flag OPTIMIZER) optimizer state, gathered
+    APPLY = 13  # server -> owners: apply an update; payload = (learner, seq, weight) triples
+    SEND = 14  # server -> owners: send ``learner`` your slice, for ``delivery``
+    SCHEDULE = 15  # server -> owners: step the schedulers; payload = the metrics (JSON)
+    GATHER = 16  # server -> owners: send rank 0 your state, for request ``delivery``
+    RETIRE = 17  # server -> owners: training is over
+
+
+# What the owner on a rank takes from the server's downlink (the rest is for the learner).
+OWNER_KINDS = (Kind.APPLY, Kind.SEND, Kind.SCHEDULE, Kind.GATHER, Kind.RETIRE)
 
 
 class Flag(IntEnum):
-    MASKED = 1  # PUSH: a presence mask follows the gradients and buffers
+    MASKED = 1  # PUSH, PIECE: a presence mask follows the gradients and buffers
     UNUSABLE = 2  # PUSH: no gradient to apply (it overflowed); ``error`` names why
     INTERRUPTED = 4  # ABORT: a signal stopped the run (not a failure)
+    SLICED = 8  # PARAMS, EPOCH, STOP: the parameters come as SLICEs from the owners
+    OPTIMIZER = 16  # STATE: the payload is optimizer state (torch.save bytes, weights only)
+    PER_UPDATE = 32  # SCHEDULE: the metrics for schedulers stepped per update (no epoch ended)
 
 
 @dataclass
@@ -67,6 +84,9 @@ class Message:
         cancelled: BYE: computations the learner threw away before pushing them.
         flags: a sum of `Flag` values.
         dead: downlink: how many learners have died so far (``on_learner_failure="continue"``).
+        seq: PUSH, PIECE: the learner's push counter (the sharded path pairs them by it).
+        delivery: a sliced downlink message and its SLICEs, paired by this number; GATHER and
+            STATE likewise.
         loss: PUSH: the mini-batch's training loss (NaN when unknown).
         pushes, hold: downlink, for the learner's estimate of its message latency (NTP-style,
             one clock per side): pushes received from this learner so far, and the seconds from
@@ -88,6 +108,8 @@ class Message:
     cancelled: int = 0
     flags: int = 0
     dead: int = 0
+    seq: int = 0
+    delivery: int = 0
     loss: float = 0.0
     pushes: int = 0
     hold: float = 0.0
@@ -132,8 +154,8 @@ def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, in
     if fields["inline"] not in (0, 1) or any(math.isinf(fields[f]) for f in ("hold", "age")):
         raise TransportError(f"{sender} sent a malformed header {fields}")
     message = Message(Kind(fields["kind"]), **{name: fields[name] for name in (
-        "learner", "version", "epoch", "samples", "cancelled", "pushes", "flags", "dead", "loss",
-        "hold", "age")})
+        "learner", "version", "epoch", "samples", "cancelled", "pushes", "flags", "dead", "seq",
+        "delivery", "loss", "hold", "age")})
     return message, fields["numel"], DTYPES[fields["dtype"]], bool(fields["inline"])
 
 
@@ -162,10 +184,11 @@ def coalesce(messages: list[Message]) -> list[Message]:
         if not run:
             return
         last = run[-1]
-        with_params = [m for m in run if m.payload is not None]
-        if last.payload is None and with_params:
-            newest = with_params[-1]
-            last = replace(last, kind=Kind.PARAMS, payload=newest.payload, version=newest.version)
+        refreshes = [m for m in run if m.kind == Kind.PARAMS]
+        if last.kind != Kind.PARAMS and refreshes:  # keep the newest parameters (or their slices)
+            newest = refreshes[-1]
+            last = replace(last, kind=Kind.PARAMS, payload=newest.payload, version=newest.version,
+                           delivery=newest.delivery, flags=newest.flags)
         out.append(last)
         run.clear()
 

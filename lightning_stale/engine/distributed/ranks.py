@@ -7,8 +7,10 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
   on which no learner ever waits for another (any variant, a frozen or dead learner).
 * ``"collective"`` (sync family): the server decides from headers; the gradients of an update
   meet in one all-reduce and every learner applies it (`engine.distributed.collective`).
-* ``"auto"``: collective for the sync family when the model has at least
-  ``COLLECTIVE_MIN_NUMEL`` values to exchange and nothing needs the central server, else central.
+* ``"sharded"``: the server decides from headers; every rank owns a slice of the parameters and
+  of the optimizer state, and applies its part of every update (`engine.distributed.sharded`).
+* ``"auto"``: for a model of at least ``SCALE_MIN_NUMEL`` values, collective for the sync family
+  and sharded for the async family, where the options allow; central otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from torch.optim import Optimizer
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.collective import CollectiveExchange, CollectivePayloads
 from lightning_stale.engine.distributed.learner import Learner
+from lightning_stale.engine.distributed.mesh import DataMesh
+from lightning_stale.engine.distributed.messages import Kind, Message
 from lightning_stale.engine.distributed.server import CentralPayloads, ParameterServer
+from lightning_stale.engine.distributed.sharded import (ShardedExchange, ShardedPayloads, ShardLayout,
+                                                        ShardOwner)
 from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, ServerState
@@ -34,10 +40,28 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant, kind_of
 
-SERVER_PATHS = ("auto", "central", "collective")
-# Below this many values per exchange a round trip through rank 0 costs less than an all-reduce
-# (measured by benchmarks/scaling.py; see the README's "Scaling" section).
-COLLECTIVE_MIN_NUMEL = 1 << 18
+SERVER_PATHS = ("auto", "central", "collective", "sharded")
+# Below this many values per exchange a round trip through rank 0 costs less than spreading the
+# traffic (measured by benchmarks/scaling.py; see the README's "Scaling" section).
+SCALE_MIN_NUMEL = 1 << 18
+
+
+def path_problem(path: str, variant_name: str, on_learner_failure: str,
+                 compensation: StalenessCompensation | None, clips: bool = False) -> str | None:
+    """Why ``path`` cannot run these options, or None."""
+    if path == "collective" and not kind_of(variant_name).synchronous:
+        return (f"server='collective' serves the sync family (every update refreshes every learner), "
+                f"not {variant_name!r}: use server='sharded', 'central' or 'auto'")
+    if path in ("collective", "sharded") and on_learner_failure != "stop":
+        return (f"server={path!r} needs every learner's process (in each all-reduce, or holding a "
+                "slice), so a dead learner ends the run: use server='central' with "
+                "on_learner_failure='continue'")
+    if path in ("collective", "sharded") and compensation is not None and compensation.needs_parameters:
+        return "the 'norm' staleness compensation needs the server's parameters in one place: use server='central'"
+    if path == "sharded" and clips:
+        return ("gradient clipping needs the norm of the whole averaged gradient, which the sharded "
+                "path holds in slices: use server='central' or 'collective'")
+    return None
 
 
 def check_path(path: str, variant_name: str, on_learner_failure: str,
@@ -45,28 +69,24 @@ def check_path(path: str, variant_name: str, on_learner_failure: str,
     """Refuse a path that cannot run these options (called at the strategy's construction)."""
     if path not in SERVER_PATHS:
         raise ValueError(f"unknown server path {path!r}; choose one of {', '.join(SERVER_PATHS)}")
-    if path != "collective":
-        return
-    if not kind_of(variant_name).synchronous:
-        raise ValueError(f"server='collective' serves the sync family (every update refreshes every "
-                         f"learner), not {variant_name!r}: use server='central' or 'auto'")
-    if on_learner_failure != "stop":
-        raise ValueError("server='collective' needs every learner in each all-reduce, so a dead "
-                         "learner ends the run: use server='central' with on_learner_failure='continue'")
-    if compensation is not None and compensation.needs_parameters:
-        raise ValueError("the 'norm' staleness compensation needs the server's parameters: use "
-                         "server='central' (the sync family has no stale gradient to weigh anyway)")
+    problem = path_problem(path, variant_name, on_learner_failure, compensation)
+    if problem:
+        raise ValueError(problem)
 
 
 def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str,
-                compensation: StalenessCompensation | None) -> str:
-    """The path to run (see the module docstring)."""
+                compensation: StalenessCompensation | None, clips: bool = False) -> str:
+    """The path to run (see the module docstring); a refusal names what to use instead."""
     if path != "auto":
+        problem = path_problem(path, variant.name, on_learner_failure, compensation, clips)
+        if problem:
+            raise ValueError(problem)
         return path
-    collective = (variant.synchronous and variant.p > 1 and numel >= COLLECTIVE_MIN_NUMEL
-                  and on_learner_failure == "stop"
-                  and (compensation is None or not compensation.needs_parameters))
-    return "collective" if collective else "central"
+    if variant.p == 1 or numel < SCALE_MIN_NUMEL:
+        return "central"
+    scaled = "collective" if variant.synchronous else "sharded"
+    ok = path_problem(scaled, variant.name, on_learner_failure, compensation, clips) is None
+    return scaled if ok else "central"
 
 
 @dataclass
@@ -88,23 +108,26 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                clip: Callable[[Optimizer], None] | None = None) -> tuple[Learner, ParameterServer | None]:
     """This rank's learner and, on rank 0, the started server (its thread running)."""
     vectors = ModelVectors.of(module)
-    exchange = None
-    if options.path == "collective":
-        # Every learner holds the parameters: start from rank 0's, as DDP does.
+    exchange = owner = payloads = server = None
+    if options.path in ("collective", "sharded"):
+        # Every learner starts from rank 0's parameters, as DDP does (each rank's owner too).
         state = vectors.state_vector().to(vectors.params[0].device if vectors.params else "cpu")
         dist.broadcast(state, src=0)
         vectors.load_state(state)
+    if options.path == "sharded":
+        exchange, owner, payloads = _sharded_rank(rank, group, module, optimizer, schedulers, variant.p,
+                                                  vectors, lambda: server)
+    elif options.path == "collective":
         schedules = Schedules(schedulers, optimizer)
         if resume is not None:
             schedules.load_states(resume.get("schedulers", []))
         device = vectors.params[0].device if vectors.params else torch.device("cpu")
         exchange = CollectiveExchange(vectors, optimizer, schedules, rank, device, clip)
-    server = None
     if rank == 0:
-        if options.path == "collective":
+        if options.path in ("collective", "sharded"):
             core = ServerCore(variant, None, limits, options.adaptive, options.compensation,
                               clock=time.monotonic())
-            payloads = CollectivePayloads()
+            payloads = payloads or CollectivePayloads()
         else:
             state = ServerState(module, optimizer, schedulers, clip=clip)
             core = ServerCore(variant, state, limits, options.adaptive, options.compensation,
@@ -114,14 +137,49 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
             core.load_state_dict(resume)
         server = ParameterServer(core, payloads, options.on_learner_failure)
         server_endpoint = ServerEndpoint(group, variant.p, server.events.put, queue.Queue(),
-                                         vectors.max_push_numel())
+                                         vectors.max_push_numel(), owner.commands if owner else None)
+        if isinstance(payloads, ShardedPayloads):
+            payloads.send = server_endpoint.send
         endpoint = LearnerEndpoint(0, group, vectors.state_numel, local_server=server_endpoint)
         server.start(server_endpoint)
     else:
-        endpoint = LearnerEndpoint(rank, group, vectors.state_numel)
+        endpoint = LearnerEndpoint(rank, group, vectors.state_numel, owner=owner.commands if owner else None)
+    if owner is not None:
+        owner.start(endpoint, server)
     learner = Learner(endpoint, vectors, options.delay, exchange=exchange,
                       waits_for_answer=variant.pusher_needs_answer,
                       delay_is_total=options.delay_is_total,
                       server_error=lambda: server.error if server else None,
                       server_timeout=options.server_timeout)
     return learner, server
+
+
+def _sharded_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedulers: list, p: int,
+                  vectors: ModelVectors, server_of: Callable[[], ParameterServer | None]):
+    """This rank's exchange, shard owner and (rank 0) the server's payloads, joined by a mesh."""
+    layout = ShardLayout([t.numel() for t in vectors.params], vectors.buffer_numel, p)
+    state = ServerState(module, optimizer, schedulers, buffers=rank == 0, tensors=layout.tensors[rank])
+    payloads = ShardedPayloads(p, send=None) if rank == 0 else None
+    parts: dict[str, Any] = {}
+
+    def deliver(peer: int, message) -> None:
+        if message.kind == Kind.PIECE:
+            parts["owner"].put_piece(message)
+        elif message.kind == Kind.SLICE:
+            parts["exchange"].put_slice(peer, message)
+        elif message.kind == Kind.STATE and payloads is not None:
+            payloads.put_state(peer, message)
+
+    def broken(peer: int, error: str) -> None:
+        server = server_of()
+        if server is not None:
+            server.events.put(Message(Kind.FAILED, learner=peer, error=error))
+        else:
+            parts["owner"].broken(error)
+
+    # A state message holds an optimizer's state: far more than the model's values, at most.
+    mesh = DataMesh(group, rank, p, deliver, 32 * vectors.max_push_numel() + (1 << 20), broken)
+    parts["owner"] = owner = ShardOwner(rank, state, mesh)
+    parts["exchange"] = exchange = ShardedExchange(vectors, layout, rank, mesh, owner)
+    mesh.start()
+    return exchange, owner, payloads

@@ -21,7 +21,6 @@ import time
 import traceback
 from typing import Mapping
 
-from torch import Tensor
 
 from lightning_stale.engine.core import Outcome, ServerCore
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
@@ -33,13 +32,18 @@ log = logging.getLogger(__name__)
 
 LEARNER_FAILURE_MODES = ("stop", "continue")
 # local events, from rank 0's learner thread
-_RESUME, _METRICS = "resume", "metrics"
+_RESUME, _METRICS, _GATHER = "resume", "metrics", "gather"
 
 
 class CentralPayloads:
     """What travels when the server holds the parameters: a push carries the gradient (split by
     ``vectors``), and every message that refreshes, pauses or stops a learner carries the
-    server's parameters and buffers."""
+    server's parameters and buffers.
+
+    Every path's payloads offer the same hooks: what the core keeps of a push
+    (`contribution`), what a message to a learner carries (`fill`), and what happens besides
+    at an update, when schedulers are due, and at the stop (`on_update`, `on_schedule`,
+    `on_stop`; nothing here: the core's state does it all)."""
 
     def __init__(self, vectors: ModelVectors) -> None:
         self.vectors = vectors
@@ -47,8 +51,18 @@ class CentralPayloads:
     def contribution(self, message: Message) -> Contribution:
         return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
 
-    def parameters(self, core: ServerCore, kind: Kind, decision: Decision | None) -> Tensor | None:
-        return None if kind == Kind.CONTINUE else core.state.snapshot(core.version)
+    def fill(self, message: Message, core: ServerCore, decision: Decision | None) -> None:
+        if message.kind in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
+            message.payload = core.state.snapshot(core.version)
+
+    def on_update(self, update, contributions, weights) -> None:
+        pass
+
+    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
+        pass
+
+    def on_stop(self) -> None:
+        pass
 
 
 class ParameterServer:
@@ -123,10 +137,14 @@ class ParameterServer:
         if isinstance(event, tuple):
             kind, metrics = event
             with self.lock:
-                if kind == _RESUME:
+                if kind == _GATHER:
+                    self.payloads.gather(metrics)
+                elif kind == _RESUME:
                     self.core.begin_epoch(time.monotonic(), metrics)
+                    self.payloads.on_schedule(self.core.epoch, metrics, per_update=False)
                 else:
                     self.core.report_metrics(metrics)
+                    self.payloads.on_schedule(self.core.epoch, metrics, per_update=True)
         elif event.kind == Kind.PUSH:
             self._on_push(event)
         elif event.kind == Kind.BYE:
@@ -165,8 +183,10 @@ class ParameterServer:
             self._answer(outcome)
 
     def _answer(self, outcome: Outcome) -> None:
+        if outcome.update is not None:
+            self.payloads.on_update(outcome.update, outcome.contributions, outcome.weights)
         if outcome.stopped:
-            self._broadcast(Kind.STOP)
+            self._broadcast_stop()
             return
         self._send_decision(outcome.decision)
         if outcome.epoch_ended:
@@ -186,7 +206,7 @@ class ParameterServer:
             if self.core.stopped:
                 return
             self.core.stop()
-            self._broadcast(Kind.STOP)
+            self._broadcast_stop()
 
     def _abort(self, reason: str, interrupted: bool = False) -> None:
         """The run ends early: every learner is told why."""
@@ -202,12 +222,27 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ sending
     def _send(self, learner: int, kind: Kind, decision: Decision | None = None) -> None:
+        self.endpoint.send(learner, self._message(learner, kind, decision))
+
+    def _message(self, learner: int, kind: Kind, decision: Decision | None = None) -> Message:
         core = self.core
-        payload = self.payloads.parameters(core, kind, decision)
-        self.endpoint.send(learner, Message(kind, learner, core.version, core.epoch, payload=payload,
-                                            dead=len(core.rules.counts.dead_learners),
-                                            caused_at=self._cause))
+        message = Message(kind, learner, core.version, core.epoch, dead=len(core.rules.counts.dead_learners),
+                          caused_at=self._cause)
+        self.payloads.fill(message, core, decision)
+        return message
 
     def _broadcast(self, kind: Kind) -> None:
         for learner in self.core.rules.alive:
             self._send(learner, kind)
+
+    def _broadcast_stop(self) -> None:
+        """The final parameters for everyone; whatever the payloads must do at the stop goes
+        out before the stops themselves, which close the connections."""
+        stops = [self._message(learner, Kind.STOP) for learner in self.core.rules.alive]
+        self.payloads.on_stop()
+        for message in stops:
+            self.endpoint.send(message.learner, message)
+
+    def gather(self, request: int) -> None:
+        """Have the payloads collect the model's state where it is spread (sharded path)."""
+        self.events.put((_GATHER, request))

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_stale.engine.distributed.messages import (HEADER_BYTES, Kind, Message, TransportError,
-                                                         coalesce, decode_header, encode_header,
-                                                         payload_text)
+from lightning_stale.engine.distributed.messages import (HEADER_BYTES, OWNER_KINDS, Kind, Message,
+                                                         TransportError, coalesce, decode_header,
+                                                         encode_header, payload_text)
 
 UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and server->learner
 # Payloads up to this size travel inside the header's frame: one gloo message per message
@@ -104,12 +104,13 @@ class ServerEndpoint:
         local_inbox: the queue of the learner living on rank 0; it pushes through
             `receive_local`.
         max_numel: the largest payload a learner may send (a push with its presence mask).
+        local_owner: the order queue of the shard owner on rank 0 (sharded path), if any.
     """
 
     def __init__(self, group, num_learners: int, deliver: Callable[[Message], None],
-                 local_inbox: queue.Queue, max_numel: int) -> None:
+                 local_inbox: queue.Queue, max_numel: int, local_owner: queue.Queue | None = None) -> None:
         self.group, self.num_learners, self.deliver = group, num_learners, deliver
-        self.local_inbox = local_inbox
+        self.local_inbox, self.local_owner = local_inbox, local_owner
         self._max_numel = max(max_numel, MAX_REPORT_VALUES)
         # learner -> (pushes received, time.monotonic() of the latest), for `Message.hold`
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
@@ -133,7 +134,7 @@ class ServerEndpoint:
         if learner == 0:
             self._stamp(0, message)
             message.received_at = time.monotonic()
-            self.local_inbox.put(message)
+            (self.local_owner if message.kind in OWNER_KINDS else self.local_inbox).put(message)
         else:
             self._outboxes[learner].put(message)
 
@@ -219,6 +220,8 @@ class LearnerEndpoint:
         max_numel: the largest payload the server may send (parameters and buffers).
         local_server: on rank 0 only, the `ServerEndpoint` on this rank (messages go through
             in-process queues: gloo cannot send to oneself).
+        owner: the order queue of this rank's shard owner (sharded path): the server's orders
+            to it come on the same connection, and go there instead of the inbox.
 
     ``last_heard`` is when the server was last heard from (every message counts, heartbeats
     too), and ``failure`` why the run failed, as soon as the receiving thread knows (an ABORT, a
@@ -226,8 +229,9 @@ class LearnerEndpoint:
     learner pushes.
     """
 
-    def __init__(self, rank: int, group, max_numel: int, local_server: ServerEndpoint | None = None) -> None:
-        self.rank, self.group = rank, group
+    def __init__(self, rank: int, group, max_numel: int, local_server: ServerEndpoint | None = None,
+                 owner: queue.Queue | None = None) -> None:
+        self.rank, self.group, self.owner = rank, group, owner
         self._max_numel = max(max_numel, MAX_REASON_BYTES)
         self._local_server = local_server
         self._send_lock = threading.Lock()
@@ -260,7 +264,7 @@ class LearnerEndpoint:
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
                     message.error = self.failure = payload_text(message.payload)
-                self.inbox.put(message)
+                (self.owner if message.kind in OWNER_KINDS else self.inbox).put(message)
                 if message.kind in _LAST:
                     return
         except Exception as exc:  # noqa: BLE001 - surfaces in the learner's next wait

@@ -1,0 +1,90 @@
+"""Data between every pair of ranks, for the sharded path: gradient pieces, parameter slices and
+gathered state (`engine.distributed.sharded`).
+
+Every rank has, for every other rank, one receiving thread and one sending thread (draining an
+outbox), on the server traffic's gloo group with tags of their own, so that a slow transfer to
+one peer never holds another. Messages to oneself are delivered in-process. `close` sends every
+peer a last message that ends its receiving thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.transport import FRAME_BYTES, recv, send
+
+DATA, DATA_PAYLOAD = 31, 32  # tags: data between ranks (not the server's control traffic)
+
+
+class DataMesh:
+    """Args:
+        group: the gloo group of server traffic.
+        rank, p: this rank and the number of ranks.
+        deliver: called with (sending rank, message) for every message received (from the
+            receiving threads, or at once for a message to oneself).
+        max_numel: the largest payload a peer may send.
+        broken: called with (peer, error) when receiving from or sending to a peer fails.
+
+    Nothing moves before `start` (a peer's sends wait for this rank's receives).
+    """
+
+    def __init__(self, group, rank: int, p: int, deliver: Callable[[int, Message], None],
+                 max_numel: int, broken: Callable[[int, str], None]) -> None:
+        self.group, self.rank, self.p, self.deliver = group, rank, p, deliver
+        self._max_numel, self._broken = max_numel, broken
+        self._outboxes = {peer: queue.Queue() for peer in range(p) if peer != rank}
+        self._threads = []
+        for peer in self._outboxes:
+            self._threads += [
+                threading.Thread(target=self._send_loop, args=(peer,), daemon=True, name=f"stale-mesh-send-{peer}"),
+                threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"stale-mesh-recv-{peer}")]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def send(self, peer: int, message: Message) -> None:
+        if peer == self.rank:
+            message.received_at = time.monotonic()
+            self.deliver(self.rank, message)
+        else:
+            self._outboxes[peer].put(message)
+
+    def close(self) -> None:
+        """End every peer's receiving thread and this rank's sending threads."""
+        for outbox in self._outboxes.values():
+            outbox.put(Message(Kind.RETIRE))
+
+    def join(self, timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self._threads if t.is_alive()]
+
+    def _send_loop(self, peer: int) -> None:
+        outbox = self._outboxes[peer]
+        try:
+            while True:
+                message = outbox.get()
+                send(message, peer, self.group, (DATA, DATA_PAYLOAD))
+                if message.kind == Kind.RETIRE:
+                    return
+        except Exception as exc:  # noqa: BLE001 - reported, and the run ends
+            self._broken(peer, f"sending data to rank {peer} failed: {exc}")
+
+    def _receive_loop(self, peer: int) -> None:
+        buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        try:
+            while True:
+                message = recv(self.group, (DATA, DATA_PAYLOAD), peer, f"rank {peer}", self._max_numel, buffer)
+                if message.kind == Kind.RETIRE:
+                    return
+                self.deliver(peer, message)
+        except Exception as exc:  # noqa: BLE001
+            self._broken(peer, f"receiving data from rank {peer} failed: {exc}")

@@ -1,0 +1,95 @@
+"""What a checkpoint written on global rank 0 holds of the real engine's server, on each path.
+
+A checkpoint holds the model as the server has it, in Lightning's own slots (``state_dict``,
+``optimizer_states``), and the server's books under ``"stale_server"`` (version, updates, epoch,
+samples, the LR schedulers' states): the same format on every path, so a run resumes on any
+path. Where the model is:
+
+* central: the server's `ServerState` on rank 0;
+* collective: every learner holds it, rank 0's learner too (its version is the checkpoint's);
+* sharded: spread over the owners, gathered to rank 0 once per checkpoint (in the order of the
+  server's updates, so every slice is of the same version).
+
+After fit the module on rank 0 holds the final parameters on every path (and, sharded, its
+optimizer the gathered final state), so Lightning's own slots need nothing from the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_stale.engine.distributed.sharded import FINAL, assemble_optimizer_state
+from lightning_stale.engine.state import named_state
+
+
+class ServerCheckpoint:
+    """Args:
+        strategy: the `StaleStrategy` on rank 0 (its server, learner and path)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self._gathered: tuple | None = None  # (vector, optimizer state, schedulers, version)
+        self._requests = FINAL
+
+    @property
+    def _live(self) -> bool:
+        s = self.strategy
+        return s._server is not None and s._final_stats is None
+
+    def module_state(self, state_dict: dict) -> dict:
+        """``state_dict`` (the module's own) with the server's parameters and buffers."""
+        s = self.strategy
+        if not self._live or s.path == "collective":
+            return state_dict
+        if s.path == "sharded":
+            vector, *_ = self._gather()
+            state_dict.update(named_state(s.lightning_module, vector))
+        else:
+            with s._server.lock:
+                state_dict.update(s._server.core.state.named_state(s.lightning_module))
+        return state_dict
+
+    def optimizer_state(self, own: dict) -> dict:
+        s = self.strategy
+        if not self._live or s.path == "collective":
+            return own
+        if s.path == "sharded":
+            _, optimizer_state, *_ = self._gather()
+            return optimizer_state
+        with s._server.lock:
+            return s._server.core.state.optimizer.state_dict()
+
+    def engine_state(self) -> dict:
+        """The server's books, matching the parameters saved beside them."""
+        s = self.strategy
+        saved = s._server.state_dict()
+        if s.path == "collective" and s._learner is not None:
+            saved.update(version=s._learner.version, updates=s._learner.version,
+                         schedulers=s._learner.exchange.schedules.states())
+        elif s.path == "sharded" and self._live:
+            _, _, schedulers, version = self._gather()
+            saved.update(version=version, updates=version, schedulers=schedulers)
+        self._gathered = None  # the next checkpoint gathers anew
+        return saved
+
+    def finish(self) -> None:
+        """After the stop (sharded): rank 0's optimizer takes the final gathered state."""
+        s = self.strategy
+        if s.path != "sharded":
+            return
+        _, saved, _ = s._server.payloads.gathered(FINAL, s.check_server)
+        optimizer = s.optimizers[0]
+        optimizer.load_state_dict(assemble_optimizer_state(
+            optimizer, s.shard_layout, s.shard_params, saved))
+
+    def _gather(self) -> tuple:
+        if self._gathered is None:
+            s = self.strategy
+            self._requests += 1
+            s._server.gather(self._requests)
+            states, saved, version = s._server.payloads.gathered(self._requests, s.check_server)
+            layout = s.shard_layout
+            self._gathered = (layout.join(states),
+                              assemble_optimizer_state(s.optimizers[0], layout, s.shard_params, saved),
+                              saved[0]["schedulers"], version)
+        return self._gathered
