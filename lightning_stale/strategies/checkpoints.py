@@ -85,9 +85,12 @@ class ServerCheckpoint:
     def _gather(self) -> tuple:
         if self._gathered is None:
             s = self.strategy
-            self._requests += 1
-            s._server.gather(self._requests)
-            states, saved, version = s._server.payloads.gathered(self._requests, s.check_server)
+            if s._server.core.stopped:  # the owners have retired: the state gathered at the stop
+                states, saved, version = s._server.payloads.gathered(FINAL, s.check_server, keep=True)
+            else:
+                self._requests += 1
+                s._server.gather(self._requests)
+                states, saved, version = s._server.payloads.gathered(self._requests, s.check_server)
             layout = s.shard_layout
             self._gathered = (layout.join(states),
                               assemble_optimizer_state(s.optimizers[0], layout, s.shard_params, saved),

@@ -151,3 +151,40 @@ def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(tmp
     assert run["round_trip"] >= params["hold"]  # what is left is the time on the wire
     assert (stop["kind"], stop["payload_ok"]) == (5, True) and stop["numel"] > params["numel"]
     assert run["threads_left"] == [] and run["thread_done"]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return run_script("paths.py", tmp_path_factory.mktemp("paths"))
+
+
+@pytest.mark.parametrize("run", ["sync@collective", "k_sync@collective", "k_batch_sync@collective",
+                                 "async@sharded", "k_async@sharded", "k_batch_async@sharded",
+                                 "k_sync@sharded"])
+def test_the_collective_and_sharded_paths_keep_every_count_and_learn(paths, run):
+    result = paths[run]
+    stats = result["stats"]
+    assert stats["server_path"] == run.split("@")[1] and stats["updates"] == 60 and books_balance(stats)
+    assert result["updates"] == list(range(1, 61))
+    assert sum(result["losses"][-10:]) < sum(result["losses"][:10])
+    assert result["same_everywhere"]  # every learner ends with the server's parameters
+    if run.startswith(("sync", "k_sync", "k_batch_sync")):
+        assert set(stats["staleness_histogram"]) == {"0"}
+
+
+def test_a_sharded_checkpoint_gathers_the_model_and_resumes_on_the_central_path(paths):
+    saved = paths["sharded_checkpoint"]
+    version = saved["saved_server"]["version"]
+    assert 5 <= version < 20 and saved["differs_from_final"]  # written during training
+    assert saved["adam_states"] == saved["trainable_tensors"]  # every owner's optimizer state
+    resumed = saved["resumed"]
+    assert resumed["stats"]["server_path"] == "central" and resumed["updates"][0] == version + 1
+    assert resumed["stats"]["updates"] == 30 and books_balance(resumed["stats"])
+
+
+def test_a_collective_checkpoint_resumes_on_the_sharded_path(paths):
+    saved = paths["collective_checkpoint"]
+    assert saved["matches_module"] and saved["adam_states"] == 6 and saved["saved_server"]["version"] == 15
+    resumed = saved["resumed"]
+    assert resumed["stats"]["server_path"] == "sharded" and resumed["updates"][0] == 16
+    assert resumed["stats"]["updates"] == 25 and saved["same_everywhere"]

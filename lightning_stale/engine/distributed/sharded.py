@@ -321,14 +321,15 @@ class ShardedPayloads:
             self._gathered.setdefault(message.delivery, {})[(owner, bool(message.flags & Flag.OPTIMIZER))] = message
             self._gathered_ready.notify_all()
 
-    def gathered(self, request: int, check: Callable[[], None]) -> tuple[list[Tensor], list[dict], int]:
+    def gathered(self, request: int, check: Callable[[], None],
+                 keep: bool = False) -> tuple[list[Tensor], list[dict], int]:
         """Every owner's state vector and saved optimizer and scheduler states for ``request``,
-        and the version they are of."""
+        and the version they are of (``keep``: leave them for another reader)."""
         with self._gathered_ready:
             while len(self._gathered.get(request, ())) < 2 * self.p:
                 self._gathered_ready.wait(_WAIT_S)
                 check()
-            parts = self._gathered.pop(request)
+            parts = self._gathered[request] if keep else self._gathered.pop(request)
         states = [parts[(o, False)].payload if parts[(o, False)].payload is not None else torch.zeros(0)
                   for o in range(self.p)]
         saved = [torch.load(io.BytesIO(parts[(o, True)].payload.numpy().tobytes()), weights_only=True)

@@ -1,0 +1,93 @@
+"""The collective and sharded paths on 4 CPU processes, in one launch: every variant on the path
+'auto' would pick at scale (forced here on a small model), the counts, the loss, every rank
+ending with the same parameters, and checkpoints that resume on another path."""
+
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from common import QUIET, CaptureRecords, summary, write_results
+from lightning_stale import StaleStrategy
+from lightning_stale.data import DigitsDataModule
+from lightning_stale.delays import ShiftedExponential
+from lightning_stale.models import MLP, Classifier
+
+torch.set_num_threads(1)
+out = Path(sys.argv[1])
+RUNS = [("sync", None, "collective"), ("k_sync", 2, "collective"), ("k_batch_sync", 3, "collective"),
+        ("async", None, "sharded"), ("k_async", 2, "sharded"), ("k_batch_async", 2, "sharded"),
+        ("k_sync", 2, "sharded")]
+
+
+def model(optimizer="sgd", lr=0.2):
+    return Classifier(MLP((64,), 10, hidden_sizes=(32, 32)), lr=lr, optimizer=optimizer)
+
+
+def same_everywhere(module) -> bool:
+    flat = torch.cat([t.detach().reshape(-1) for t in module.state_dict().values()]).double()
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def fit(strategy, module, max_steps, callbacks=(), ckpt_path=None, **kwargs):
+    pl.seed_everything(0)
+    capture = CaptureRecords()
+    trainer = pl.Trainer(accelerator="cpu", devices=4, max_steps=max_steps, strategy=strategy,
+                         callbacks=[capture, *callbacks], check_val_every_n_epoch=1, **{**QUIET, **kwargs})
+    trainer.fit(module, DigitsDataModule(batch_size=16), ckpt_path=ckpt_path)
+    return trainer, capture
+
+
+results = {}
+trainer = None
+for name, k, path in RUNS:
+    delay = ShiftedExponential(shift=0.002, mean=0.01, seed=1)
+    module = model()
+    trainer, capture = fit(StaleStrategy(name, k, delay=delay, server=path, record_trace=False), module, 60)
+    same = same_everywhere(module)
+    if trainer.global_rank == 0:
+        results[f"{name}@{path}"] = {**summary(trainer, capture), "same_everywhere": same}
+
+# A checkpoint written during training on the sharded path (gathered from every owner), resumed
+# on the central path; one written after fit on the collective path, resumed on the sharded one.
+saver = ModelCheckpoint(dirpath=out.parent / "ckpt", every_n_train_steps=5, save_top_k=-1)
+adam = model("adam", 0.01)
+trainer, _ = fit(StaleStrategy("k_async", 2, server="sharded", record_trace=False), adam, 20,
+                 callbacks=[saver], enable_checkpointing=True)
+# The first one written during training (rank 0's step, the version it holds, may jump past a
+# multiple of 5 when several updates come at once).
+middle = min((out.parent / "ckpt").glob("*.ckpt"), key=lambda path: torch.load(path, weights_only=True)["global_step"])
+resumed = model("adam", 0.01)
+trainer, capture = fit(StaleStrategy("k_async", 2, server="central", record_trace=False), resumed, 30,
+                       ckpt_path=middle)
+if trainer.global_rank == 0:
+    saved = torch.load(middle, weights_only=True)
+    results["sharded_checkpoint"] = {
+        "saved_server": saved["stale_server"], "adam_states": len(saved["optimizer_states"][0]["state"]),
+        "trainable_tensors": sum(1 for p in adam.parameters() if p.requires_grad),
+        "lr": saved["optimizer_states"][0]["param_groups"][0]["lr"],
+        "differs_from_final": any(not torch.equal(saved["state_dict"][n], p)
+                                  for n, p in adam.named_parameters()),
+        "resumed": summary(trainer, capture)}
+collective = model("adam", 0.01)
+trainer, _ = fit(StaleStrategy("k_sync", 2, server="collective", record_trace=False), collective, 15)
+after = out.parent / "after.ckpt"
+trainer.save_checkpoint(after)
+final = {n: p.detach().clone() for n, p in collective.named_parameters()}
+sharded = model("adam", 0.01)
+trainer, capture = fit(StaleStrategy("k_async", 2, server="sharded", record_trace=False), sharded, 25,
+                       ckpt_path=after)
+same = same_everywhere(sharded)
+if trainer.global_rank == 0:
+    saved = torch.load(after, weights_only=True)
+    results["collective_checkpoint"] = {
+        "saved_server": saved["stale_server"], "matches_module": all(
+            torch.equal(saved["state_dict"][n], p) for n, p in final.items()),
+        "adam_states": len(saved["optimizer_states"][0]["state"]),
+        "resumed": summary(trainer, capture), "same_everywhere": same}
+write_results(trainer, results)
