@@ -1,0 +1,195 @@
+"""The engine against stock ``ddp`` as the model grows: time per update and samples/s per path.
+
+Deep MLPs (64 inputs, equal hidden layers, 10 classes, batch 32, plain SGD) of about 0.02M, 1M,
+4M and 16M parameters, no injected delay. Per process count (one launch each, ``--devices``,
+default 2 then 4) and size, every mode runs interleaved ``--repeats`` times:
+
+* ``ddp``: Lightning's stock DDP (one all-reduce per step);
+* the six variants on the path ``server="auto"`` picks (collective for the sync family, sharded
+  for the async family, above `ranks.SCALE_MIN_NUMEL` values; central below), K = P for
+  ``sync``/``k_sync`` and K = P/2 for the K-variants of the other families, K = 1 for Async;
+* ``sync`` and ``k_batch_async`` forced onto the central server, for comparison.
+
+Measured in the steady state after ``--warmup`` updates: for ddp the mean time between optimizer
+steps on rank 0 (samples/s = P x batch / that); for the server the update records' clock
+(samples/s = samples in the gradients applied / seconds). ``vs_ddp`` is the median over repeats
+of samples/s over ddp's in the same repeat. Targets (issue: scale the engine to real models): at
+4M and 16M parameters ``sync`` and ``k_sync`` (K = P) >= 0.95 x ddp, ``k_async`` and
+``k_batch_async`` >= 0.9 x ddp; at 0.02M no variant slower than before (``benchmarks/overhead_vs_ddp.py``).
+
+    python benchmarks/scaling.py [--devices 2 4] [--sizes 0.02M 1M 4M 16M] [--repeats 2]
+
+Writes the table, ``scaling.png`` (time per update against parameters, one line per path and
+ddp), and the usual json/csv into ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pytorch_lightning import Callback, Trainer, seed_everything
+
+from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser, classification_loader,
+                     is_rank_zero, median, prepare_out, rank_print, table, trainer_kwargs, write_results)
+from lightning_stale import StaleStrategy
+
+SIZES = {"0.02M": (256,), "1M": (350,) * 8, "4M": (700,) * 8, "16M": (1400,) * 8}
+STEPS = {"0.02M": 300, "1M": 120, "4M": 60, "16M": 30}  # per fit; fewer for the slow ones
+TARGETS = {("sync", "auto"): 0.95, ("k_sync", "auto"): 0.95, ("k_async", "auto"): 0.9,
+           ("k_batch_async", "auto"): 0.9}
+
+
+class RecordTimes(Callback):
+    """The server's update records on rank 0: (clock, samples) of every update."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, int]] = []
+
+    def on_train_start(self, trainer, module) -> None:
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.rows += [(r.clock, r.samples) for r in trainer.strategy.pop_update_records()]
+
+    def on_train_end(self, trainer, *args) -> None:
+        self.on_train_batch_end(trainer)
+
+
+def modes(p: int) -> list[tuple[str, int | None, str]]:
+    half = max(1, p // 2)
+    return [("ddp", None, ""), ("sync", p, "auto"), ("k_sync", p, "auto"), ("k_batch_sync", half, "auto"),
+            ("async", 1, "auto"), ("k_async", half, "auto"), ("k_batch_async", half, "auto"),
+            ("sync", p, "central"), ("k_batch_async", half, "central")]
+
+
+def parameters(hidden: tuple[int, ...]) -> int:
+    widths = [64, *hidden, 10]
+    return sum(a * b + b for a, b in zip(widths, widths[1:]))
+
+
+def run_launch(args) -> None:
+    p = args.child_devices
+    rows = []
+    for repeat in range(args.repeats):
+        for size in args.sizes:
+            steps = STEPS[size] if args.steps is None else args.steps
+            for mode, k, path in modes(p):
+                seed_everything(args.seed, verbose=False)
+                model = MLPClassifier(features=64, hidden=SIZES[size], classes=10, lr=0.01)
+                loader = classification_loader(32 * p * (steps + 20) * 2, batch_size=32, seed=args.seed)
+                timer, records = StepTimer(warmup=args.warmup), RecordTimes()
+                if mode == "ddp":
+                    strategy = "ddp"
+                else:
+                    strategy = StaleStrategy(mode, k, seed=args.seed, record_trace=False, server=path)
+                trainer = Trainer(devices=p, strategy=strategy, max_steps=steps,
+                                  callbacks=[timer if mode == "ddp" else records], **trainer_kwargs())
+                trainer.fit(model, train_dataloaders=loader)
+                if not is_rank_zero():
+                    continue
+                if mode == "ddp":
+                    interval, sps, ran = timer.mean_interval_s, p * 32 / timer.mean_interval_s, "ddp"
+                else:
+                    t, s = records.rows[args.warmup], records.rows[-1]
+                    interval = (s[0] - t[0]) / (len(records.rows) - 1 - args.warmup)
+                    sps, ran = (s[1] - t[1]) / (s[0] - t[0]), trainer.strategy.stats["server_path"]
+                rows.append({"devices": p, "size": size, "parameters": parameters(SIZES[size]),
+                             "mode": mode, "k": k, "requested": path, "path": ran, "repeat": repeat,
+                             "ms_per_update": 1e3 * interval, "samples_per_s": sps})
+                rank_print(f"P={p} {size:>5} {mode:14s} {path:8s} ({ran:10s}): {1e3 * interval:8.2f} ms/update "
+                           f"{sps:9.0f} samples/s")
+    if is_rank_zero():
+        Path(args.child_result).write_text(json.dumps(rows))
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    summary = []
+    keys = dict.fromkeys((r["devices"], r["size"], r["mode"], r["requested"]) for r in rows)
+    for p, size, mode, requested in keys:
+        mine = [r for r in rows if (r["devices"], r["size"], r["mode"], r["requested"]) == (p, size, mode, requested)]
+        ratios = []
+        for r in mine:
+            base = [d["samples_per_s"] for d in rows if (d["devices"], d["size"], d["mode"], d["repeat"])
+                    == (p, size, "ddp", r["repeat"])]
+            ratios.append(r["samples_per_s"] / base[0] if base else math.nan)
+        summary.append({"devices": p, "size": size, "parameters": mine[0]["parameters"], "mode": mode,
+                        "k": mine[0]["k"], "path": mine[0]["path"],
+                        "ms_per_update": median([r["ms_per_update"] for r in mine]),
+                        "samples_per_s": median([r["samples_per_s"] for r in mine]),
+                        "vs_ddp": median(ratios), "per_repeat": " ".join(f"{x:.2f}" for x in ratios),
+                        "target": TARGETS.get((mode, requested), "") if size in ("4M", "16M") else ""})
+    return summary
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r["devices"] for r in summary})
+    figure, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.5), squeeze=False)
+    lines = [("ddp", "", "stock ddp"), ("sync", "collective", "sync, collective"),
+             ("sync", "central", "sync, central"), ("k_batch_async", "sharded", "K-batch-async, sharded"),
+             ("k_batch_async", "central", "K-batch-async, central")]
+    for ax, p in zip(axes[0], counts):
+        for mode, ran, label in lines:
+            points = sorted((r["parameters"], r["ms_per_update"]) for r in summary
+                            if r["devices"] == p and r["mode"] == mode and (r["path"] == ran or mode == "ddp"))
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="time per update (ms)",
+               title=f"P = {p} learners, no injected delay")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--steps", type=int, default=None, help="updates per fit (default: by size)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--child-devices", type=int, default=None, help=argparse_hidden())
+    parser.add_argument("--child-result", default=None, help=argparse_hidden())
+    args = parser.parse_args()
+    apply_process_settings(args)
+    if args.child_devices is not None:
+        run_launch(args)
+        return
+    out = prepare_out(args.out)
+    rows: list[dict] = []
+    start = time.monotonic()
+    for p in args.devices:
+        result = out / f"scaling_P{p}.partial.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
+                        "--child-devices", str(p), "--child-result", str(result)], check=True)
+        rows += json.loads(result.read_text())
+        result.unlink()
+    total = time.monotonic() - start
+    summary = summarise(rows)
+    print(table(summary, ["devices", "size", "parameters", "mode", "k", "path", "ms_per_update",
+                          "samples_per_s", "vs_ddp", "per_repeat", "target"]))
+    print(f"total {total:.0f} s")
+    plot(summary, out / "scaling.png")
+    paths = write_results(out, "scaling", summary, {"runs": rows, "repeats": args.repeats,
+                                                    "threads": args.threads, "total_wall_s": total})
+    print("results:", *map(str, paths), out / "scaling.png")
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
