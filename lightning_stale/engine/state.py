@@ -82,15 +82,36 @@ class ModelVectors:
 
     def load_state(self, flat: Tensor) -> None:
         """Load a `state_vector` into the module's parameters and buffers."""
-        parts = self._split(flat, self._param_sizes + self._buffer_sizes, self.state_numel)
+        self._load(self._split(flat, self._param_sizes + self._buffer_sizes, self.state_numel))
+
+    def load_parts(self, chunks: Sequence[Tensor]) -> None:
+        """`load_state` of the concatenation of ``chunks``, without concatenating them."""
+        sizes, parts = self._param_sizes + self._buffer_sizes, []
+        chunks = [c for c in chunks if c.numel()]
+        if sum(c.numel() for c in chunks) != self.state_numel:
+            raise ValueError(f"chunks of {sum(c.numel() for c in chunks)} values, the module has {self.state_numel}")
+        chunk, offset = 0, 0
+        for size in sizes:
+            if size and offset == chunks[chunk].numel():
+                chunk, offset = chunk + 1, 0
+            if offset + size > chunks[chunk].numel():
+                raise ValueError("a tensor straddles two chunks")
+            parts.append(chunks[chunk][offset:offset + size] if size else torch.zeros(0, dtype=self.dtype))
+            offset += size
+        self._load(parts)
+
+    def _load(self, parts: Sequence[Tensor]) -> None:
         with torch.no_grad():
             for dst, part in zip(self.params + self.buffers, parts):
                 src = part.view_as(dst)
                 dst.copy_(src.round() if not dst.is_floating_point() else src, non_blocking=True)
 
-    def push_vector(self, mask: bool = False, device: torch.device | None = None) -> tuple[Tensor, bool]:
+    def push_vector(self, mask: bool = False, device: torch.device | None = None,
+                    out: Tensor | None = None) -> tuple[Tensor, bool]:
         """Gradients (zeros where missing), buffers and, if some gradient is missing (or
-        ``mask``), a presence mask; and whether the mask is there. On ``device`` (default CPU)."""
+        ``mask``), a presence mask; and whether the mask is there. On ``device`` (default CPU),
+        written into ``out`` when it is given and has the right size (a recycled vector: a fresh
+        one of a large model costs a page-faulting allocation per push)."""
         device = torch.device("cpu") if device is None else device
         grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
                  for p in self.params]
@@ -100,7 +121,11 @@ class ModelVectors:
         parts += [b.detach().reshape(-1).to(device, self.dtype) for b in self.buffers]
         if masked:
             parts.append(torch.tensor([g is not None for g in grads], dtype=self.dtype, device=device))
-        return (torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=device)), masked
+        if not parts:
+            return torch.zeros(0, dtype=self.dtype, device=device), masked
+        if out is not None and out.numel() == sum(t.numel() for t in parts) and out.device == parts[0].device:
+            return torch.cat(parts, out=out), masked
+        return torch.cat(parts), masked
 
     def split_push(self, flat: Tensor, masked: bool) -> Contribution:
         """A `push_vector` back into its parts (views of ``flat``)."""

@@ -86,6 +86,10 @@ class CollectiveExchange:
         self.vectors, self.optimizer, self.schedules = vectors, optimizer, schedules
         self.rank, self.device, self.clip, self.group = rank, device, clip, group
         self._pending: list[Tensor] = []  # this learner's pushed gradients, oldest first
+        # Vectors are recycled: a fresh one of a large model is a page-faulting allocation. The
+        # parameters' .grad are views of `_in_grads` until the next update, so it is never spare.
+        self._spare: list[Tensor] = []
+        self._in_grads: Tensor | None = None
         self._size = vectors.state_numel + len(vectors.params)
         offsets, start = [], vectors.numel
         for b in vectors.buffers:
@@ -94,7 +98,8 @@ class CollectiveExchange:
         self._integers = [(a, z) for a, z, floating in offsets if not floating]
 
     def fill_push(self, message: Message) -> None:
-        message.payload, _ = self.vectors.push_vector(mask=True, device=self.device)
+        spare = self._spare.pop() if self._spare else None
+        message.payload, _ = self.vectors.push_vector(mask=True, device=self.device, out=spare)
 
     def before_push(self, message: Message) -> None:
         """The gradient stays here until an update takes it; only the header travels."""
@@ -113,14 +118,20 @@ class CollectiveExchange:
         if message.kind != Kind.PARAMS or message.payload is None:
             return
         k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
-        taken, self._pending = self._pending[:mine], []  # the rest crossed the update: stale
-        reduced = torch.zeros(self._size, dtype=self.vectors.dtype, device=self.device)
-        for vector in taken:
-            reduced.add_(vector, alpha=1.0 / k)
+        taken, stale, self._pending = self._pending[:mine], self._pending[mine:], []
+        largest = self._largest_integers(taken)  # before the sum overwrites the first of them
+        if taken:  # summed in place into the first: no zero-filled vector of the model's size
+            reduced = taken[0].mul_(1.0 / k)
+            for vector in taken[1:]:
+                reduced.add_(vector, alpha=1.0 / k)
+        else:
+            reduced = (self._spare.pop().zero_() if self._spare
+                       else torch.zeros(self._size, dtype=self.vectors.dtype, device=self.device))
         dist.all_reduce(reduced, group=self.group)
-        largest = self._largest_integers(taken)
         n, s = self.vectors.numel, self.vectors.state_numel
         load_gradients(self.vectors.params, reduced[:n], reduced[s:] > 0)
+        self._spare += taken[1:] + stale + ([self._in_grads] if self._in_grads is not None else [])
+        self._in_grads = reduced
         if self.clip is not None:
             self.clip(self.optimizer)
         self.optimizer.step()

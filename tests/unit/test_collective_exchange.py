@@ -1,0 +1,73 @@
+"""The collective path's learner side, in one process (a gloo group of one: the all-reduce is
+the identity, so the arithmetic and the recycling of vectors are checked exactly)."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_stale.engine.distributed.collective import CollectiveExchange
+from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.schedules import Schedules
+from lightning_stale.engine.state import ModelVectors
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def exchange(set_to_none=True):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    vectors = ModelVectors.of(module)
+    ex = CollectiveExchange(vectors, optimizer, Schedules([], optimizer), rank=0, device=torch.device("cpu"))
+    return module, optimizer, vectors, ex
+
+
+def backward_and_push(module, optimizer, ex, seed, set_to_none):
+    optimizer.zero_grad(set_to_none=set_to_none)
+    torch.manual_seed(seed)
+    module(torch.randn(8, 3)).square().mean().backward()
+    grad = torch.cat([p.grad.reshape(-1).clone() for p in module.parameters()])
+    push = Message(Kind.PUSH)
+    ex.fill_push(push)
+    ex.before_push(push)
+    return grad
+
+
+def update(ex, k, mine, version):
+    payload = torch.tensor([k, mine], dtype=torch.float64)
+    ex.take(Message(Kind.PARAMS, version=version, payload=payload))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_updates_average_the_taken_gradients_and_recycled_vectors_never_alias_grads(group, set_to_none):
+    module, optimizer, vectors, ex = exchange()
+    for version in range(1, 6):
+        # two pushes (a K-batch-sync learner), the update takes both: their mean is the step
+        before = vectors.state_vector()[:vectors.numel]
+        grads = [backward_and_push(module, optimizer, ex, 10 * version + i, set_to_none) for i in range(2)]
+        update(ex, k=2, mine=2, version=version)
+        after = vectors.state_vector()[:vectors.numel]
+        assert torch.allclose(after, before - 0.1 * (grads[0] + grads[1]) / 2, atol=1e-6)
+    # a push the update does not take (it crossed the update) is discarded, not summed later
+    backward_and_push(module, optimizer, ex, 99, set_to_none)
+    before = vectors.state_vector()[:vectors.numel]
+    update(ex, k=1, mine=0, version=6)  # this learner contributes nothing: zeros
+    assert torch.allclose(vectors.state_vector()[:vectors.numel], before)
+    grad = backward_and_push(module, optimizer, ex, 100, set_to_none)
+    update(ex, k=1, mine=1, version=7)
+    assert torch.allclose(vectors.state_vector()[:vectors.numel], before - 0.1 * grad, atol=1e-6)
+    # recycled vectors are few: at most the pending pushes of one update plus the one in .grad
+    assert len(ex._spare) <= 3
