@@ -1,0 +1,69 @@
+"""Epoch ends cost nothing the paper's model does not count (README, "Epochs").
+
+An epoch end is a pause of the clock, not a restart of the learners: a computation in flight
+carries into the next epoch, and nothing is flushed. So a data set whose epoch is not a whole
+number of rounds (Lightning's BoringModel: 64 mini-batches, 12.8 rounds of P = 5) keeps the
+paper's time per update, E[T] of docs/method.md, for every variant.
+"""
+
+import logging
+
+import pytest
+import torch
+from pytorch_lightning import Trainer
+from pytorch_lightning.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader
+
+from lightning_stale.delays import Exponential
+from lightning_stale.method.theory import expected_iteration_time
+from lightning_stale.strategies.simulated import SimulatedStaleStrategy
+
+logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+P, MEAN = 5, 0.1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class ShortEpochs(BoringModel):
+    """BoringModel with 7 mini-batches an epoch: one full round of P = 5 and 2/5 of the next."""
+
+    def train_dataloader(self):
+        return DataLoader(torch.utils.data.Subset(super().train_dataloader().dataset, range(7)), batch_size=1)
+
+
+def interval_against_theory(module, variant, k, updates, seed=0):
+    strategy = SimulatedStaleStrategy(variant=variant, k=k, num_learners=P, delay=Exponential(MEAN, seed=seed))
+    trainer = Trainer(strategy=strategy, max_steps=updates, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      devices=1, limit_val_batches=0)
+    trainer.fit(module)
+    theory = expected_iteration_time(variant, P, strategy.variant.k, Exponential(MEAN), method="closed_form")
+    return strategy.stats, strategy.stats["mean_update_interval_s"] / theory
+
+
+# 3,000 updates per variant (Async: 15,000, the pushes of 3,000 Fully sync updates, since one
+# push is one update and T's coefficient of variation is 1 there). The standard error of the
+# mean is about 1% for every case, so 2% is a check at about 2 standard errors for this seed;
+# The short data set ends an epoch every 1.4 rounds, where a flush would show most.
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,k,updates", [("sync", None, 3000), ("k_sync", 3, 3000),
+                                               ("k_batch_sync", 3, 3000), ("async", None, 15000),
+                                               ("k_async", 3, 3000), ("k_batch_async", 3, 3000)])
+def test_boring_models_64_batch_epochs_keep_the_theorys_time_per_update(variant, k, updates):
+    stats, ratio = interval_against_theory(BoringModel(), variant, k, updates)
+    assert stats["epochs"] >= 45  # many epoch ends, each within a round
+    assert stats["gradients_dropped"] == 0  # an epoch end drops nothing: work carries over
+    assert ratio == pytest.approx(1.0, abs=0.02)
+
+
+def test_an_epoch_of_little_more_than_one_round_keeps_the_theorys_time_per_update():
+    stats, ratio = interval_against_theory(ShortEpochs(), "sync", None, updates=1500, seed=1)
+    assert stats["epochs"] >= 200
+    assert stats["gradients_dropped"] == 0
+    assert ratio == pytest.approx(1.0, abs=0.03)
