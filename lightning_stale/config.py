@@ -32,7 +32,6 @@ CONF_PACKAGE = "lightning_stale.conf"
 RECIPES_PACKAGE = "lightning_stale.recipes"
 ENGINE_NAMES = ("server", "simulated", "ddp")
 # How each engine is named in errors; the ones not listed are called by their config name.
-_ENGINE_TITLES = {"server": "the parameter-server engine", "simulated": "the simulated engine"}
 _NO_DELAY_TARGETS = ("lightning_stale.delays.NoDelay",)
 # The engines a race contestant may name, by the run's engine: every contestant of one launch
 # must run in the same processes (server and ddp both use Lightning's launcher with P processes;
@@ -46,10 +45,6 @@ _CONTESTANT_PATTERN = re.compile(r"^\s*(?P<variant>[a-z_]+)\s*(?::\s*(?P<k>\d+))
 
 class ConfigError(ValueError):
     """A configuration that cannot run, reported before anything is started."""
-
-
-class EngineNotAvailableError(ConfigError):
-    """The engine's strategy class cannot be imported (it is not part of this version)."""
 
 
 def recipes_dir() -> str:
@@ -131,6 +126,9 @@ def _validate_run(cfg: DictConfig) -> int | None:
             f"variant={variant}; use engine=server for "
             f"{', '.join(name for name in VARIANT_NAMES if name != 'sync')}")
 
+    strategy_class(cfg)
+    if engine == "server":
+        _check_server_path(cfg, variant)
     learners = learner_count(cfg)
     if engine == "simulated" and process_count(cfg) not in (None, 1):
         raise ConfigError(
@@ -146,6 +144,21 @@ def _validate_run(cfg: DictConfig) -> int | None:
         if not is_no_delay(cfg.get("delay")):
             _check_delay_learners(cfg.delay, learners)
     return learners
+
+
+def _check_server_path(cfg: DictConfig, variant: str) -> None:
+    # The strategy refuses these too, but only once it is built in every process.
+    from lightning_stale.engine.distributed.ranks import SERVER_PATHS, path_problem
+
+    options = cfg.engine.strategy
+    path = options.get("server", "auto")
+    if path not in SERVER_PATHS:
+        raise ConfigError(f"engine.strategy.server={path!r} is not a server path; choose one of "
+                          f"{', '.join(SERVER_PATHS)}")
+    clips = cfg.get("trainer", {}).get("gradient_clip_val") not in (None, 0)
+    problem = path_problem(path, variant, options.get("on_learner_failure", "stop"), None, clips)
+    if problem:
+        raise ConfigError(f"engine.strategy.server={path} with variant={variant}: {problem}")
 
 
 def learner_count(cfg: DictConfig) -> int | None:
@@ -203,20 +216,20 @@ def _check_delay_learners(delay: DictConfig, learners: int) -> None:
 
 
 def strategy_class(cfg: DictConfig) -> type:
-    """The engine's strategy class; EngineNotAvailableError when this version lacks it.
-
-    Only a missing attribute counts as "not available": an import that fails inside an existing
-    module is a real error and propagates.
-    """
+    """The class ``engine.strategy._target_`` names; ConfigError when it names none (checked
+    before any process starts). An import that fails inside an existing module propagates."""
     target = str(cfg.engine.strategy._target_)
     module_name, _, attribute = target.rpartition(".")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not module_name.startswith(error.name):
+            raise
+        module = None
     found = getattr(module, attribute, None)
-    if found is None:
-        engine = cfg.engine.name
-        title = _ENGINE_TITLES.get(engine, f"engine={engine}")
-        raise EngineNotAvailableError(
-            f"{title} is not built yet ({target} cannot be imported); use engine=ddp variant=sync")
+    if not isinstance(found, type):
+        raise ConfigError(f"engine.strategy._target_={target!r} names no class; the shipped engines "
+                          f"are engine=server, engine=simulated and engine=ddp")
     return found
 
 

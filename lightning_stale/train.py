@@ -35,7 +35,7 @@ from pytorch_lightning import Trainer, seed_everything
 from lightning_stale.strategies.callbacks import WallClockLogger
 from lightning_stale.config import (ConfigError, Contestant, check_race_overrides,
                                     contestant_configs, is_race, process_count, recipes_dir,
-                                    strategy_class, validate_config)
+                                    validate_config)
 
 # A race's contestants log under <run dir>/contestants/<n>-<name>/ (one run directory each, in
 # the form lightning_stale.plot reads); the report goes beside that folder.
@@ -59,7 +59,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         cfg.output_dir = output_dir(cfg)
     if is_race(cfg):
         return run_race(cfg, started)
-    strategy_class(cfg)  # likewise: a clear error when this version does not have the engine
     summary, is_global_zero = fit_one(cfg, started)
     if is_global_zero:
         print(format_summary(summary), flush=True)
@@ -72,8 +71,6 @@ def run_race(cfg: DictConfig, started: float | None = None) -> dict[str, Any]:
 
     started = time.monotonic() if started is None else started
     entries = contestant_configs(cfg)
-    for _, run in entries:
-        strategy_class(run)  # every engine importable before the first process starts
     summaries, run_dirs, is_global_zero = [], [], True
     for index, (contestant, run) in enumerate(entries, 1):
         run_dir = Path(cfg.output_dir) / CONTESTANTS_DIR / contestant_folder(index, contestant,
@@ -146,7 +143,6 @@ def fit_one(cfg: DictConfig, started: float, config_file: bool = False) -> tuple
 
 def build_strategy(cfg: DictConfig) -> Any:
     """Instantiate the engine's strategy, with the variant, K and delay the engine config names."""
-    strategy_class(cfg)
     return instantiate(cfg.engine.strategy)
 
 

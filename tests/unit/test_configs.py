@@ -20,7 +20,7 @@ from hydra.errors import MissingConfigException
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_stale.config import (ConfigError, EngineNotAvailableError, compose_config,
+from lightning_stale.config import (ConfigError, compose_config,
                                     contestant_configs, is_race, strategy_class, validate_config)
 from lightning_stale.train import train
 
@@ -75,12 +75,7 @@ def target_nodes(node, path: str = ""):
 def check_signature(path: str, node: DictConfig, extra: set[str] = frozenset()) -> bool:
     """Assert the target accepts every key of ``node``; False if the target is not importable."""
     target = node._target_
-    try:
-        function = get_method(target)  # classes too
-    except Exception:
-        if path == "engine.strategy":
-            return False  # an engine not built yet; strategy_class() reports it
-        raise
+    function = get_method(target)  # classes too
     parameters = inspect.signature(function).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return True
@@ -117,13 +112,8 @@ def instantiate_all(cfg: DictConfig, output_dir: Path) -> None:
     if hasattr(delay, "sample"):
         assert math.isfinite(delay.sample(0))
     logger = instantiate(cfg.logger) if cfg.logger else False
-    try:
-        strategy_class(cfg)
-    except EngineNotAvailableError as error:
-        assert "not built yet" in str(error) and "engine=ddp variant=sync" in str(error)
-        strategy = None  # the Trainer is still checked, with Lightning's default strategy
-    else:
-        strategy = instantiate(cfg.engine.strategy)
+    strategy = instantiate(cfg.engine.strategy)
+    assert isinstance(strategy, strategy_class(cfg))
     callbacks = [instantiate(node) for node in cfg.engine.get("callbacks") or []]
     assert all(callable(getattr(callback, "on_before_optimizer_step", None))
                for callback in callbacks)
@@ -218,6 +208,11 @@ def test_unknown_variant_lists_the_options():
     (["delay=slow_learners", "delay.learners=[7]"],
      r"race contestant 1 \(sync@server\).*learner 7"),
     (["engine=ddp"], r"race contestant 2 \(k_sync:2@ddp\).*engine=ddp runs only variant=sync"),
+    (["race=none", "engine.strategy.server=ring"], r"server='ring' .*auto, central, collective, sharded"),
+    (["race=none", "variant=k_async", "engine.strategy.server=collective"], r"collective.*not 'k_async'"),
+    (["race=none", "variant=async", "engine.strategy.server=sharded", "+trainer.gradient_clip_val=1.0"],
+     r"gradient clipping .* server='central' or 'collective'"),
+    (["race=none", "engine.strategy._target_=lightning_stale.NoSuchStrategy"], r"NoSuchStrategy.*names no class"),
 ])
 def test_bad_config_fails_before_training(overrides, message, monkeypatch):
     with pytest.raises(ConfigError, match=message):
@@ -239,10 +234,11 @@ def test_server_engine_gets_variant_k_and_delay_object(monkeypatch):
     from lightning_stale.train import build_strategy
 
     class RecordingStrategy:
-        def __init__(self, variant, k=None, delay=None, delay_mode="after_compute"):
+        def __init__(self, variant, k=None, delay=None, delay_mode="after_compute", server="auto"):
             self.variant, self.k, self.delay, self.delay_mode = variant, k, delay, delay_mode
+            self.server = server
 
     monkeypatch.setattr(lightning_stale, "StaleStrategy", RecordingStrategy, raising=False)
     strategy = build_strategy(compose_config("digits_k_async"))
-    assert (strategy.variant, strategy.k, strategy.delay_mode) == ("k_async", 2, "after_compute")
+    assert (strategy.variant, strategy.k, strategy.delay_mode, strategy.server) == ("k_async", 2, "after_compute", "auto")
     assert isinstance(strategy.delay, ShiftedExponential) and strategy.delay.shift == 0.01
