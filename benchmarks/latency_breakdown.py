@@ -63,11 +63,11 @@ def instrument() -> None:
     recv, push, wait = transport.recv, transport.LearnerEndpoint.push, learner_mod.Learner._wait
     on_push, send = server_mod.ParameterServer._on_push, server_mod.ParameterServer._send
 
-    def recv_(group, tags, src=None, buffer=None):
-        message, sender = recv(group, tags, src, buffer)
+    def recv_(group, tags, *args, **kwargs):
+        message = recv(group, tags, *args, **kwargs)
         if tags[0] == transport.DOWN:  # a learner's receive thread
             EVENTS.append(("inbox", int(message.kind), message.version, now()))
-        return message, sender
+        return message
 
     def push_(self, message):
         if message.kind == transport.Kind.PUSH:
@@ -86,9 +86,9 @@ def instrument() -> None:
         on_push(self, message)
         EVENTS.append(("decide", message.learner, int(message.kind), start, now()))
 
-    def send_(self, learner, kind):
-        EVENTS.append(("answer", learner, int(kind), self.state.version, now()))
-        send(self, learner, kind)
+    def send_(self, learner, kind, decision=None):
+        EVENTS.append(("answer", learner, int(kind), self.core.version, now()))
+        send(self, learner, kind, decision)
 
     transport.recv, transport.LearnerEndpoint.push, learner_mod.Learner._wait = recv_, push_, wait_
     server_mod.ParameterServer._on_push, server_mod.ParameterServer._send = on_push_, send_
