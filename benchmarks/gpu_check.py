@@ -1,16 +1,24 @@
 """GPU path check (run by hand on a machine with GPUs; not a timing benchmark).
 
-Runs the six variants of `StaleStrategy` with Lightning's default collectives on NCCL and checks
-what only a GPU run can show: the default group is NCCL while the server's group is gloo; the
-learners' and the server's parameters live on the GPU; gradients and parameters travel through
-the server as CPU vectors and come back to the device; every gradient is counted; the loss
-falls; after fit the module holds the server's parameters, and validation ran on them.
+Runs the six variants of `StaleStrategy` on each server path with Lightning's default collectives
+on NCCL, and checks what only a GPU run can show:
+
+* central (every variant): the default group is NCCL while the server's group is gloo; the
+  learners' and the server's parameters live on the GPU; gradients and parameters travel as CPU
+  vectors and come back to the device; after fit the module holds the server's parameters;
+* collective (the sync family): the K gradients of an update meet in an all-reduce of CUDA
+  tensors on the default (NCCL) group, and every learner steps its own optimizer on the GPU;
+* sharded (the async family): every rank's owner holds its shard on the GPU; pieces and slices
+  travel as CPU vectors;
+
+and on every path: every gradient is counted, the loss falls, every learner ends with the same
+parameters, on its GPU.
 
 With one GPU (``--devices 1``, the default when one is visible) the learner on rank 0 talks to
-the server through in-process queues, so only the device side is exercised; ``--devices 2`` or
-more (one GPU each) also sends CUDA-staged tensors over the gloo group. NCCL refuses two ranks
-on one GPU, so more learners than GPUs is not possible here. ``--accelerator cpu`` runs the same
-checks on CPU processes (gloo default group), to try the script itself.
+the server through in-process queues and every path is central, so only the device side is
+exercised; ``--devices 2`` or more (one GPU each) runs every path. NCCL refuses two ranks on one
+GPU, so more learners than GPUs is not possible here. ``--accelerator cpu`` runs the same checks
+on CPU processes (gloo default group), to try the script itself.
 
     python benchmarks/gpu_check.py [--devices 2] [--updates 60] [--accelerator gpu]
 """
@@ -28,6 +36,7 @@ from lightning_stale.delays import ShiftedExponential
 from lightning_stale.models import MLP, Classifier
 
 VARIANTS = ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")
+SYNC_FAMILY = ("sync", "k_sync", "k_batch_sync")
 
 
 class Backends(Callback):
@@ -40,33 +49,46 @@ class Backends(Callback):
         self.server = dist.get_backend(group) if group is not None else "(P = 1: queues)"
 
 
-def check(name: str, args) -> dict:
+def same_on_every_rank(model) -> bool:
+    """Every learner holds the same parameters (compared through the default group)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())] if dist.is_initialized() else [flat]
+    if dist.is_initialized():
+        dist.all_gather(gathered, flat)
+    return all(torch.equal(g, flat) for g in gathered)
+
+
+def check(name: str, path: str, args) -> dict:
     seed_everything(args.seed, verbose=False)
     dm = DigitsDataModule(batch_size=32)
     model = Classifier(MLP(dm.input_shape, dm.num_classes), lr=0.1)
     strategy = StaleStrategy(name, delay=ShiftedExponential(shift=0.002, mean=0.01, seed=args.seed),
-                             record_trace=False)
+                             record_trace=False, server=path)
     backends = Backends()
     trainer = Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.updates,
                       strategy=strategy, callbacks=[backends], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, dm)
+    same = same_on_every_rank(model)
     if not is_rank_zero():
         return {}
     core = trainer.strategy.core
+    ran = trainer.strategy.stats.get("server_path", path)
+    server_params = core.state.params if core.state is not None else list(model.parameters())
     stats = trainer.strategy.stats
     records = trainer.strategy.pop_update_records()
     losses = [r.loss for r in records]
     device = next(model.parameters()).device
     return {
-        "variant": name, "updates": stats["updates"],
+        "variant": name, "path": ran, "updates": stats["updates"],
         "default_backend": backends.default, "server_backend": backends.server,
-        "module_device": str(device), "server_device": str(core.state.params[0].device),
+        "module_device": str(device), "server_device": str(server_params[0].device),
         "counts_balance": stats["gradients_received"] == stats["gradients_applied"] + stats["gradients_dropped"]
         + stats["gradients_in_flight_at_stop"],
         "loss_first_10": sum(losses[:10]) / max(1, len(losses[:10])),
         "loss_last_10": sum(losses[-10:]) / max(1, len(losses[-10:])),
-        "module_matches_server": all(torch.equal(a, b) for a, b in zip(model.parameters(), core.state.params)),
+        "module_matches_server": all(torch.equal(a, b) for a, b in zip(model.parameters(), server_params)),
+        "same_on_every_rank": same,
         "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
     }
 
@@ -83,13 +105,17 @@ def main() -> None:
     if args.accelerator == "gpu" and not 1 <= args.devices <= torch.cuda.device_count():
         raise SystemExit(f"gpu_check: --devices {args.devices} needs that many GPUs; "
                          f"{torch.cuda.device_count()} visible")
-    rows = [check(name, args) for name in VARIANTS]
+    runs = [(name, "central") for name in VARIANTS]
+    if args.devices > 1:
+        runs += [(name, "collective" if name in SYNC_FAMILY else "sharded") for name in VARIANTS]
+    rows = [check(name, path, args) for name, path in runs]
     if not is_rank_zero():
         return
     expected_device = "cuda" if args.accelerator == "gpu" else "cpu"
     expected_default = "nccl" if args.accelerator == "gpu" else "gloo"
-    failed = [r["variant"] for r in rows
-              if not (r["counts_balance"] and r["module_matches_server"] and r["loss_last_10"] < r["loss_first_10"]
+    failed = [f"{r['variant']}@{r['path']}" for r in rows
+              if not (r["counts_balance"] and r["module_matches_server"] and r["same_on_every_rank"]
+                      and r["loss_last_10"] < r["loss_first_10"]
                       and r["module_device"].startswith(expected_device)
                       and r["server_device"].startswith(expected_device)
                       and r["default_backend"] == expected_default
@@ -100,7 +126,8 @@ def main() -> None:
     print("results:", *map(str, paths))
     if failed:
         raise SystemExit(f"gpu_check: checks failed for {', '.join(failed)}")
-    print(f"gpu_check: all six variants passed on {args.devices} {args.accelerator} learner(s)")
+    print(f"gpu_check: all {len(rows)} runs (six variants, {len({r['path'] for r in rows})} server paths) "
+          f"passed on {args.devices} {args.accelerator} learner(s)")
 
 
 if __name__ == "__main__":

@@ -70,9 +70,11 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         seed: seed of every learner's independent mini-batch sampler.
         server: where updates are applied (`engine.distributed.ranks`): ``"central"`` (the server
             on rank 0 holds the parameters), ``"collective"`` (sync family: the gradients of an
-            update meet in one all-reduce on the default group and every learner applies it), or
-            ``"auto"`` (default: collective for the sync family on models of at least
-            ``COLLECTIVE_MIN_NUMEL`` values, else central). ``stats["server_path"]`` says which ran.
+            update meet in one all-reduce on the default group and every learner applies it),
+            ``"sharded"`` (every rank owns a slice of the parameters and optimizer state), or
+            ``"auto"`` (default: collective for the sync family and sharded for the async family
+            on models of at least ``ranks.SCALE_MIN_NUMEL`` values, else central).
+            ``stats["server_path"]`` says which ran.
         on_learner_failure: ``"stop"`` (default): a learner that dies ends the run, like DDP;
             ``"continue"``: the server drops it, clamps K to the learners left and goes on
             (needs K < P; validation is skipped after a death: the default process group lost
