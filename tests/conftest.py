@@ -15,3 +15,15 @@ def data_root(tmp_path_factory) -> Path:
     make_cifar(root, rows=4)
     write_trace(root / "trace.csv")
     return root
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module's tests: on tiny models threads only add
+    synchronisation (and stall on a busy machine). Use with ``pytestmark``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,12 +22,7 @@ logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 P, MEAN = 5, 0.1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ShortEpochs(BoringModel):

@@ -31,13 +31,7 @@ QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False
              enable_model_summary=False, num_sanity_val_steps=0, devices=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: intra-op threads only add synchronisation (and stall on a busy machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fit(model, max_steps, datamodule=None, callbacks=(), trainer_kwargs=None, **strategy_kwargs):
