@@ -315,3 +315,27 @@ def apply_process_settings(args) -> None:
     torch.set_num_threads(args.threads)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+
+
+# ---------------------------------------------------------------------------- one launch per P
+def add_launch_arguments(parser) -> None:
+    """The hidden arguments of `launch_per_device_count`'s children."""
+    import argparse
+
+    parser.add_argument("--child-devices", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-result", default=None, help=argparse.SUPPRESS)
+
+
+def launch_per_device_count(script: str, name: str, devices: Sequence[int], out: Path) -> list[dict]:
+    """Run ``script`` once per process count, each a fresh Python process tree (Lightning
+    launches P processes once per script run), with this run's arguments plus
+    ``--child-devices P --child-result FILE``; the child writes its rows (rank 0) as JSON there."""
+    rows: list[dict] = []
+    for p in devices:
+        result = out / f"{name}_P{p}.partial.json"
+        subprocess.run([sys.executable, str(Path(script).resolve()), *sys.argv[1:],
+                        "--child-devices", str(p), "--child-result", str(result)], check=True)
+        rows += json.loads(result.read_text())
+        result.unlink()
+    return rows
+

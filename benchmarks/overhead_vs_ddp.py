@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +30,7 @@ from pytorch_lightning import Trainer, seed_everything
 
 from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser,
                      classification_loader, is_rank_zero, median, prepare_out, rank_print, table,
-                     trainer_kwargs, write_results)
+                     trainer_kwargs, write_results, add_launch_arguments, launch_per_device_count)
 from lightning_stale import StaleStrategy
 
 TARGETS = {"sync": 0.9, "k_sync": 0.5}
@@ -120,23 +118,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--no-extra", dest="extra", action="store_false",
                         help="only ddp, sync and k_sync (K = P)")
-    parser.add_argument("--child-devices", type=int, default=None, help=argparse_hidden())
-    parser.add_argument("--child-result", default=None, help=argparse_hidden())
+    add_launch_arguments(parser)
     args = parser.parse_args()
     apply_process_settings(args)
     if args.child_devices is not None:
         run_launch(args)
         return
     out = prepare_out(args.out)
-    rows: list[dict] = []
     launch = time.monotonic()
-    for p in args.devices:
-        result = out / f"overhead_vs_ddp_P{p}.partial.json"
-        command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
-                   "--child-devices", str(p), "--child-result", str(result)]
-        subprocess.run(command, check=True)
-        rows += json.loads(result.read_text())
-        result.unlink()
+    rows = launch_per_device_count(__file__, "overhead_vs_ddp", args.devices, out)
     total = time.monotonic() - launch
     summary = summarise(rows, args.devices)
     print()
@@ -151,12 +141,6 @@ def main() -> None:
                            "threads": args.threads, "switch_interval_s": args.switch_interval,
                            "total_wall_s": total})
     print("results:", *map(str, paths))
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

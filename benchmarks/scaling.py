@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from pytorch_lightning import Callback, Trainer, seed_everything
 
 from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser, classification_loader,
-                     is_rank_zero, median, prepare_out, rank_print, table, trainer_kwargs, write_results)
+                     is_rank_zero, median, prepare_out, rank_print, table, trainer_kwargs, write_results,
+                     add_launch_arguments, launch_per_device_count)
 from lightning_stale import StaleStrategy
 
 SIZES = {"0.02M": (256,), "1M": (350,) * 8, "4M": (700,) * 8, "16M": (1400,) * 8}
@@ -158,22 +157,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="updates per fit (default: by size)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--child-devices", type=int, default=None, help=argparse_hidden())
-    parser.add_argument("--child-result", default=None, help=argparse_hidden())
+    add_launch_arguments(parser)
     args = parser.parse_args()
     apply_process_settings(args)
     if args.child_devices is not None:
         run_launch(args)
         return
     out = prepare_out(args.out)
-    rows: list[dict] = []
     start = time.monotonic()
-    for p in args.devices:
-        result = out / f"scaling_P{p}.partial.json"
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
-                        "--child-devices", str(p), "--child-result", str(result)], check=True)
-        rows += json.loads(result.read_text())
-        result.unlink()
+    rows = launch_per_device_count(__file__, "scaling", args.devices, out)
     total = time.monotonic() - start
     summary = summarise(rows)
     print(table(summary, ["devices", "size", "parameters", "mode", "k", "path", "ms_per_update",
@@ -183,12 +175,6 @@ def main() -> None:
     paths = write_results(out, "scaling", summary, {"runs": rows, "repeats": args.repeats,
                                                     "threads": args.threads, "total_wall_s": total})
     print("results:", *map(str, paths), out / "scaling.png")
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
