@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from lightning_stale.analysis.advise import advise, main
+from lightning_stale.analysis.advise import advise
+from lightning_stale.analysis.advise_cli import main
 from lightning_stale.analysis.sweeps import Sweep, SweepRun, configurations, same_as
 from lightning_stale.config import compose_config
 from lightning_stale.delays import Exponential, ShiftedExponential, TraceRecorder
