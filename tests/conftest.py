@@ -15,3 +15,20 @@ def data_root(tmp_path_factory) -> Path:
     make_cifar(root, rows=4)
     write_trace(root / "trace.csv")
     return root
+
+
+@pytest.fixture(params=["simulated", "stale"])
+def engine(request, monkeypatch):
+    """Each engine in turn, in this process (see tests/engines.py); the real one as P = 1."""
+    from engines import one_process_environment
+
+    one_process_environment(monkeypatch)
+    return request.param
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """The environment of a one-process DDP-style run (the real engine with P = 1)."""
+    from engines import one_process_environment
+
+    one_process_environment(monkeypatch)

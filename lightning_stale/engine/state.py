@@ -126,7 +126,9 @@ def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor]) -> Opti
 
     The optimizer's own class is built with the constructor arguments its ``defaults`` name (a
     class whose ``defaults`` hold more than its constructor takes, like torch's AdamW, is fine);
-    a constructor that cannot be called that way is bypassed with a deep copy instead. The
+    a constructor that cannot be called that way is bypassed with a deep copy instead. Options a
+    constructor keeps as attributes outside ``defaults`` are copied over (neither way would
+    keep them: a deep copy of an `Optimizer` holds only its defaults, state and groups). The
     state (momentum, moments, step counts) is then loaded from the learner's optimizer."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates the loss several times per step, which a parameter "
@@ -136,13 +138,25 @@ def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor]) -> Opti
                "params": [mapping.get(id(p), p) for p in g["params"]]} for g in optimizer.param_groups]
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
+    memo = {id(p): mapping.get(id(p), p) for g in optimizer.param_groups for p in g["params"]}
     try:
         clone = cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-    except (TypeError, ValueError):
-        memo = {id(p): mapping.get(id(p), p) for g in optimizer.param_groups for p in g["params"]}
-        clone = copy.deepcopy(optimizer, memo)
+    except Exception:  # noqa: BLE001 - any constructor that cannot be called this way
+        clone = copy.deepcopy(optimizer, dict(memo))
+    memo[id(optimizer)] = clone
+    for name, value in vars(optimizer).items():
+        if name not in _REBUILT and not getattr(value, "_wrapped_by_lr_sched", False):
+            setattr(clone, name, copy.deepcopy(value, memo))
     clone.load_state_dict(optimizer.state_dict())  # momentum etc. after a resume
     return clone
+
+
+# What `clone_optimizer` builds itself: the groups, the state, the defaults, torch's hooks and
+# bookkeeping (an LR scheduler's ``step`` wrapper is left out too: it calls the learner's).
+_REBUILT = frozenset(("param_groups", "state", "defaults", "_opt_called", "_zero_grad_profile_name",
+                      "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                      "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"))
 
 
 def _mark_steps_for_schedulers(optimizer: Optimizer) -> None:

@@ -152,6 +152,7 @@ class StaleStrategy(ServerStrategyMixin):
         self._pushes_per_epoch = 0
         self._batch_samples = 0
         self._batch_started = 0.0
+        self._buffers_at_start: list[torch.Tensor] = []  # the module's, before this push's forwards
         self._epoch = 0
         self.minibatch_times: list[float] = []  # each push's X as the server saw it (NaN: none)
 
@@ -220,6 +221,7 @@ class StaleStrategy(ServerStrategyMixin):
         phase = _LocalCollectives(self)
         trainer.callbacks.insert(0, phase)
         self._undo.append(lambda: trainer.callbacks.remove(phase))
+        self.show_progress(trainer)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -313,6 +315,7 @@ class StaleStrategy(ServerStrategyMixin):
             self._guarded(self._learner.resume)
         if first_micro_batch:
             self._batch_started = time.monotonic()
+            self._buffers_at_start = [b.detach().clone() for b in self._learner.vectors.buffers]
 
     @override
     def on_validation_start(self) -> None:
@@ -328,8 +331,16 @@ class StaleStrategy(ServerStrategyMixin):
         trainer = self.lightning_module.trainer
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-            self._guarded(self._learner.step, loss_value, self._batch_samples, self._batch_started,
+            learner = self._learner
+            discarded, version = learner.cancelled, learner.version
+            self._guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
+            if learner.cancelled > discarded and learner.version == version and not learner.stopped:
+                # Discarded with no new parameters (it started after an epoch's end): as if it
+                # never ran, so its forward passes leave no trace in the buffers either.
+                with torch.no_grad():
+                    for buffer, saved in zip(learner.vectors.buffers, self._buffers_at_start):
+                        buffer.copy_(saved)
             self.minibatch_times.append(self._learner.last_x)  # X, for MiniBatchTimer
         self._batch_samples = 0
         set_global_step(trainer, max(self._learner.version, 0))
@@ -361,8 +372,22 @@ class StaleStrategy(ServerStrategyMixin):
 
     @override
     def on_train_end(self) -> None:
+        self._step_last_epoch_schedulers()
         self._shut_down()
         super().on_train_end()
+
+    def _step_last_epoch_schedulers(self) -> None:
+        """Lightning steps the epoch-interval schedulers after every epoch's validation, the
+        last epoch's too; the server steps them when the next epoch begins, so when the fit
+        ended with an epoch (not with ``max_steps`` inside one) that epoch's are stepped here."""
+        server = self._server
+        if server is None or self._learner is None:
+            return
+        with server.lock:
+            epochs_ended = server.core.epoch
+        if epochs_ended > self._epoch:
+            trainer = self.lightning_module.trainer
+            server.resume({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     def _shut_down(self) -> None:
         learner, self._learner = self._learner, None
@@ -432,6 +457,10 @@ class StaleStrategy(ServerStrategyMixin):
 
     def _engine_checkpoint(self) -> dict:
         return self._server.state_dict()
+
+    @override
+    def books_lock(self) -> Any:
+        return self._server.lock if self._server is not None else super().books_lock()
 
     @classmethod
     @override
