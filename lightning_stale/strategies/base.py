@@ -23,6 +23,7 @@ import math
 import os
 from typing import Any, Callable
 
+from pytorch_lightning import Callback
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_stale.delays.traces import TraceRecorder
@@ -36,6 +37,16 @@ from lightning_stale.strategies.namespaces import namespace_of, new_instance
 from lightning_stale.strategies.progress import show_server_progress
 
 CHECKPOINT_KEY = "stale_server"  # the server's books in a Lightning checkpoint
+
+
+class _ServerStateForValidation(Callback):
+    """See `ServerStrategyMixin.validate_on_server_state`."""
+
+    def __init__(self, strategy: ServerStrategyMixin) -> None:
+        self.strategy = strategy
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy.enter_validation()
 
 
 class ServerStrategyMixin:
@@ -165,6 +176,20 @@ class ServerStrategyMixin:
             yield
         finally:
             epoch_loop.max_steps = max_steps
+
+    # ------------------------------------------------------------------ validation
+    def validate_on_server_state(self, trainer: Any) -> None:
+        """Until teardown, the first of the Trainer's callbacks puts the server's parameters and
+        buffers into the module when validation starts, so that every validation hook (the
+        callbacks' and the module's ``on_validation_start`` included) sees them, as every DDP
+        rank's hooks see the same model."""
+        callback = _ServerStateForValidation(self)
+        trainer.callbacks.insert(0, callback)
+        self._undo.append(lambda: trainer.callbacks.remove(callback))
+
+    def enter_validation(self) -> None:
+        """Put the server's parameters and buffers into the module for validation."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ progress bar
     def show_progress(self, trainer: Any) -> None:

@@ -142,6 +142,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             super().setup(trainer)
         self.check_trainer(trainer, [])
         self._schedulers = self.take_over_schedulers()
+        self.validate_on_server_state(trainer)
         self.show_progress(trainer)
 
     @override
@@ -197,8 +198,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self.server.end_epoch(metrics)
 
     @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
+    def enter_validation(self) -> None:
         self._load_server_parameters()
 
     @override

@@ -221,6 +221,7 @@ class StaleStrategy(ServerStrategyMixin):
         phase = _LocalCollectives(self)
         trainer.callbacks.insert(0, phase)
         self._undo.append(lambda: trainer.callbacks.remove(phase))
+        self.validate_on_server_state(trainer)
         self.show_progress(trainer)
 
     @override
@@ -318,8 +319,7 @@ class StaleStrategy(ServerStrategyMixin):
             self._buffers_at_start = [b.detach().clone() for b in self._learner.vectors.buffers]
 
     @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
+    def enter_validation(self) -> None:
         if self._learner is not None and self.fitting():
             self._learner.enter_validation()
 

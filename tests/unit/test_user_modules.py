@@ -233,13 +233,26 @@ def test_batchnorm_buffers_are_server_state(engine, tmp_path):
             self.started_at_server.append(torch.equal(self.net[1].running_mean, server.buffers[0]))
             return super().training_step(batch, batch_idx)
 
+    class ValidatesServerState(Callback):
+        """Every validation hook, a callback's ``on_validation_start`` included, sees the
+        server's parameters and buffers."""
+
+        def __init__(self):
+            self.same = []
+
+        def on_validation_start(self, trainer, pl_module):
+            named = trainer.strategy.core.state.named_state(pl_module)
+            self.same.append(all(torch.equal(pl_module.state_dict()[n], v) for n, v in named.items()))
+
     pl.seed_everything(0)
     data = um.BlobData(image=True)
     model = Checked()
     model.started_at_server = []
     initial_mean = model.net[1].running_mean.clone()
+    validations = ValidatesServerState()
     trainer = fit(engine, model, data, variant="k_sync", k=2, learners=3, max_epochs=2,
-                  check_val_every_n_epoch=1)
+                  check_val_every_n_epoch=1, callbacks=[validations])
+    assert validations.same == [True, True]
     state = trainer.strategy.core.state
     named = state.named_state(model)
     # the server holds the buffers, and the module (validated, checkpointed) has the server's
