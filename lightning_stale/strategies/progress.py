@@ -20,7 +20,6 @@ import math
 from typing import Any, Callable
 
 from pytorch_lightning import Callback
-from pytorch_lightning.callbacks import TQDMProgressBar
 
 SHOWN = ("updates", "K", "staleness")
 
@@ -60,7 +59,7 @@ class ServerProgress(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         bar = trainer.progress_bar_callback
-        if not isinstance(bar, TQDMProgressBar) or bar.is_disabled:
+        if not _is_tqdm_bar(bar) or bar.is_disabled:
             return
         tqdm_bar = bar.train_progress_bar
         if tqdm_bar is None or tqdm_bar.disable or tqdm_bar.n != batch_idx + 1:
@@ -74,3 +73,9 @@ class ServerProgress(Callback):
         tqdm_bar.total = total if total and math.isfinite(total) else None
         tqdm_bar.n = progress["updates"] - self._epoch_start
         tqdm_bar.refresh()
+
+
+def _is_tqdm_bar(bar: Any) -> bool:
+    """Lightning's TQDM bar (or a subclass) of either namespace."""
+    return any(cls.__name__ == "TQDMProgressBar" and cls.__module__.endswith("progress.tqdm_progress")
+               for cls in type(bar).__mro__)
