@@ -159,18 +159,6 @@ _REBUILT = frozenset(("param_groups", "state", "defaults", "_opt_called", "_zero
                       "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"))
 
 
-def _mark_steps_for_schedulers(optimizer: Optimizer) -> None:
-    # torch's schedulers warn unless optimizer.step was wrapped by them; ours moved here.
-    step = optimizer.step
-
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked_step  # type: ignore[method-assign]
-
-
 class ServerState:
     """Authoritative parameters, buffers, optimizer and LR schedulers of a parameter server.
 
@@ -179,7 +167,10 @@ class ServerState:
         optimizer: the optimizer Lightning built for ``module``; rebuilt over the copies.
         schedulers: Lightning ``LRSchedulerConfig``s of that optimizer: the server steps them
             (``interval="step"`` after every ``frequency`` updates, ``"epoch"`` when an epoch's
-            end is over), ``ReduceLROnPlateau`` with its monitored metric.
+            end is over), ``ReduceLROnPlateau`` with its monitored metric. They stay on the
+            learner's optimizer, where Lightning, callbacks such as ``LearningRateMonitor`` and
+            checkpoints read the schedule; its hyperparameters (learning rate, momentum, ...)
+            are copied to the server's optimizer before each step and after each scheduler step.
         buffers: keep the module's buffers here (False where learners share one module).
     """
 
@@ -198,10 +189,8 @@ class ServerState:
         self.optimizer = clone_optimizer(
             optimizer, {id(lp): sp for lp, sp in zip(learner.params, self.params)})
         self._sparse = isinstance(self.optimizer, torch.optim.SparseAdam)
-        _mark_steps_for_schedulers(self.optimizer)
+        self._learner_optimizer = optimizer
         self.schedulers = list(schedulers)
-        for config in self.schedulers:
-            config.scheduler.optimizer = self.optimizer
         self.vectors = ModelVectors(self.params, self.buffers)
         self.metrics: dict[str, float] = {}  # latest monitored values, for step-interval plateaus
         self._snapshot: tuple[int, Tensor] | None = None
@@ -227,12 +216,15 @@ class ServerState:
             for c in contributions:
                 present |= torch.ones_like(present) if c.present is None else c.present
         self._load_grads(average, present)
+        self._copy_hyperparameters()
         self.optimizer.step()
+        self._learner_optimizer._opt_called = True  # for torch's schedulers: a step was taken
         self._combine_buffers(contributions)
         self._snapshot = None
         for config in self.schedulers:
             if config.interval == "step" and update_index % config.frequency == 0:
                 self._step_scheduler(config, self.metrics)
+        self._copy_hyperparameters()
 
     def end_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """Epoch ``epoch`` (from 0) ended and its validation ran: step the epoch-interval
@@ -240,6 +232,7 @@ class ServerState:
         for config in self.schedulers:
             if config.interval == "epoch" and (epoch + 1) % config.frequency == 0:
                 self._step_scheduler(config, metrics)
+        self._copy_hyperparameters()
 
     def snapshot(self, version: int) -> Tensor:
         """The current parameters and buffers, those of ``version``, as one flat CPU vector;
@@ -267,6 +260,12 @@ class ServerState:
             config.scheduler.load_state_dict(s)
 
     # ------------------------------------------------------------------ internals
+    def _copy_hyperparameters(self) -> None:
+        """The learner optimizer's group options (what its schedulers, or the user, set) into
+        the server's optimizer."""
+        for mine, theirs in zip(self.optimizer.param_groups, self._learner_optimizer.param_groups):
+            mine.update((k, v) for k, v in theirs.items() if k != "params")
+
     def _load_grads(self, average: Tensor, present: Tensor | None) -> None:
         for i, (p, part) in enumerate(zip(self.params, torch.split(average, [p.numel() for p in self.params]))):
             if present is not None and not present[i]:

@@ -32,7 +32,8 @@ from lightning_stale.engine.records import UpdateRecord
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES, Variant, check_k
-from lightning_stale.strategies.lightning_api import run_closure, trace_path
+from lightning_stale.strategies.lightning_api import (run_closure, switch_off_scheduler_stepping,
+                                                     trace_path)
 from lightning_stale.strategies.namespaces import namespace_of, new_instance
 from lightning_stale.strategies.progress import show_server_progress
 
@@ -147,12 +148,12 @@ class ServerStrategyMixin:
         setattr(obj, name, value)
         self._undo.append(lambda: setattr(obj, name, saved))
 
-    def take_over_schedulers(self) -> list:
+    def take_over_schedulers(self, trainer: Any) -> list:
         """The server steps the LR schedulers (per update or per epoch): Lightning's stepping is
-        switched off until teardown. Returns the scheduler configs."""
-        schedulers = list(self.lr_scheduler_configs)
-        self.patch(self, "lr_scheduler_configs", [])
-        return schedulers
+        switched off until teardown, while its configs stay where Lightning, callbacks (e.g.
+        ``LearningRateMonitor``) and checkpoints read them. Returns the scheduler configs."""
+        self._undo.append(switch_off_scheduler_stepping(trainer.fit_loop.epoch_loop))
+        return list(self.lr_scheduler_configs)
 
     @contextlib.contextmanager
     def counting_updates(self, trainer: Any, pushes_per_epoch: int):

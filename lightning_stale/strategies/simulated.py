@@ -141,7 +141,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         with self.counting_updates(trainer, pushes):
             super().setup(trainer)
         self.check_trainer(trainer, [])
-        self._schedulers = self.take_over_schedulers()
+        self._schedulers = self.take_over_schedulers(trainer)
         self.validate_on_server_state(trainer)
         self.show_progress(trainer)
 

@@ -214,7 +214,7 @@ class StaleStrategy(ServerStrategyMixin):
         self.check_trainer(trainer, problems)
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
-        self._schedulers = self.take_over_schedulers()
+        self._schedulers = self.take_over_schedulers(trainer)
         # Lightning broadcasts rank 0's SIGTERM flag before every training batch, which would put
         # learners in lock-step; signals are the server's business here (see faults.py).
         self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop, lambda: None))

@@ -15,7 +15,7 @@ import torch
 from pytorch_lightning import Callback
 
 import user_modules as um
-from engines import books_balance, fit, server_lr
+from engines import QUIET, books_balance, fit, server_lr
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -184,6 +184,36 @@ def test_linear_warmup_sized_from_estimated_stepping_batches(engine, limits):
         assert lr == pytest.approx(0.01 * min(1.0, (updates + 1) / warmup))
     assert server_lr(trainer) == pytest.approx(0.01)  # warm-up done
     assert books_balance(stats)
+
+
+def test_lr_monitor_and_checkpoints_see_the_schedule_the_server_follows(engine, tmp_path):
+    import csv
+
+    from pytorch_lightning.callbacks import LearningRateMonitor
+    from pytorch_lightning.loggers import CSVLogger
+
+    class SaveAt(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 6 and not (tmp_path / "mid.ckpt").exists():
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    pl.seed_everything(0)
+    model = um.WarmupAdamW(warmup=0.5)  # 12 updates: 6 of warm-up
+    trainer = fit(engine, model, um.BlobData(), variant="async", max_steps=12, log_every_n_steps=1,
+                  logger=CSVLogger(tmp_path), callbacks=[LearningRateMonitor("step"), SaveAt()])
+    rows = list(csv.DictReader(open(trainer.logger.log_dir + "/metrics.csv")))
+    logged = [(int(r["step"]), float(r["lr-AdamW"])) for r in rows if r.get("lr-AdamW")]
+    assert [step for step, _ in logged] == list(range(12))  # one learner's batches: updates here
+    for step, lr in logged:
+        assert lr == pytest.approx(0.01 * min(1.0, (step + 1) / 6))
+    saved = torch.load(tmp_path / "mid.ckpt", weights_only=False)
+    assert saved["lr_schedulers"][0]["last_epoch"] == 6
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.01)
+    # the checkpoint goes on under plain Lightning with the schedule where the server left it
+    resumed = um.WarmupAdamW(warmup=0.5)
+    plain = pl.Trainer(max_steps=8, **{**QUIET, "logger": False})
+    plain.fit(resumed, um.BlobData(), ckpt_path=tmp_path / "mid.ckpt")
+    assert plain.lr_scheduler_configs[0].scheduler.last_epoch == 8
 
 
 class ValidationLosses(Callback):
