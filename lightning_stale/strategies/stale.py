@@ -191,6 +191,7 @@ class StaleStrategy(ServerStrategyMixin):
     def setup(self, trainer) -> None:
         fitting = self.fitting()
         if fitting:
+            self._check_trainer_options(trainer)  # before Lightning looks at the data with them
             # The server shapes epochs (the learners' loaders are endless): Lightning must not
             # cut them, nor validate every `limit_train_batches` batches of an endless loader.
             self._limit_train_batches = trainer.limit_train_batches
@@ -202,16 +203,7 @@ class StaleStrategy(ServerStrategyMixin):
         else:
             super().setup(trainer)
             return
-        problems = []
-        if sync_batchnorm_requested(self):
-            problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every "
-                            "forward, which learners at their own pace cannot join")
-        if trainer.val_check_interval != 1.0:
-            problems.append("val_check_interval must be 1.0: validation runs when the server pauses "
-                            "every learner at an epoch's end (validate less often with "
-                            "check_val_every_n_epoch, more often with shorter epochs: "
-                            "limit_train_batches)")
-        self.check_trainer(trainer, problems)
+        self.check_trainer(trainer, [])
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
         self._schedulers = self.take_over_schedulers(trainer)
@@ -223,6 +215,19 @@ class StaleStrategy(ServerStrategyMixin):
         self._undo.append(lambda: trainer.callbacks.remove(phase))
         self.validate_on_server_state(trainer)
         self.show_progress(trainer)
+
+    def _check_trainer_options(self, trainer) -> None:
+        problems = []
+        if sync_batchnorm_requested(self):
+            problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every "
+                            "forward, which learners at their own pace cannot join")
+        if trainer.val_check_interval != 1.0:
+            problems.append("val_check_interval must be 1.0: validation runs when the server pauses "
+                            "every learner at an epoch's end (validate less often with "
+                            "check_val_every_n_epoch, more often with shorter epochs: "
+                            "limit_train_batches)")
+        if problems:
+            raise ValueError(f"{type(self).__name__} cannot run this Trainer: " + "; ".join(problems))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -139,6 +139,25 @@ def test_lightning_cli_fits_with_the_simulated_engine(namespace):
     assert strategy.stats["virtual_time_s"] > 4 * 0.002  # the delays were drawn
 
 
+def test_lightning_cli_nests_delay_models_and_takes_the_other_options():
+    from lightning_stale.delays import SlowLearners
+    from lightning_stale.method.compensation import StalenessCompensation
+
+    args = [*STALE_ARGS[:3], "--trainer.strategy.delay=lightning_stale.delays.SlowLearners",
+            "--trainer.strategy.delay.base=lightning_stale.delays.Exponential",
+            "--trainer.strategy.delay.base.mean=0.01", "--trainer.strategy.delay.learners=[1]",
+            "--trainer.strategy.delay.factor=3", "--trainer.strategy.staleness_compensation=inverse",
+            "--trainer.strategy.adaptive_k={k0: 2, interval_s: 0.5}",
+            "--trainer.strategy.delay_mode=total", "--trainer.accelerator=cpu", "--trainer.devices=3"]
+    strategy = cli("pytorch_lightning", args).trainer.strategy
+    delay = strategy.delay
+    assert isinstance(delay, SlowLearners) and delay.learners == (1,) and delay.factor == 3
+    assert isinstance(delay.base, Exponential) and delay.base.mean == 0.01
+    assert isinstance(strategy.staleness_compensation, StalenessCompensation)
+    assert strategy.staleness_compensation.mode == "inverse"
+    assert strategy.adaptive_k == {"k0": 2, "interval_s": 0.5} and strategy.delay_mode == "total"
+
+
 @pytest.mark.parametrize("namespace", NAMESPACES)
 def test_lightning_cli_rejects_a_bad_variant_naming_the_choices(namespace):
     with pytest.raises(ValueError, match=r"unknown variant 'fastest'; choose one of sync, k_sync"):

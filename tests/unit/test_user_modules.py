@@ -325,3 +325,59 @@ def test_max_time_stops_the_fit(engine):
     stats = trainer.strategy.stats
     assert 1.0 <= elapsed < 6.0 and trainer.state.finished
     assert 0 < stats["updates"] == trainer.global_step < 100 and books_balance(stats)
+
+
+def test_val_check_interval_mid_epoch_validates_the_server_or_is_refused_saying_what_to_do(engine):
+    pl.seed_everything(0)
+    seen = ValidationLosses()
+    if engine == "stale":  # learners pause only at the server's epoch ends
+        with pytest.raises(ValueError, match=r"val_check_interval must be 1.0.*check_val_every_n_epoch"
+                                             r".*limit_train_batches"):
+            fit(engine, um.Classifier(), um.BlobData(), max_epochs=1, val_check_interval=0.5)
+        return
+    trainer = fit(engine, um.Classifier(), um.BlobData(), variant="k_async", learners=3,
+                  max_epochs=2, val_check_interval=0.5, callbacks=[seen])
+    assert len(seen.losses) == 4 and trainer.strategy.stats["epochs"] == 2
+
+
+class TwoOptimizers(um.Classifier):
+    """Several optimizers: Lightning asks for manual optimization."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                torch.optim.Adam(self.net[2].parameters(), lr=0.01)]
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+
+
+class Manual(um.Classifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("cls,reason", [
+    (Manual, r"manual optimization is not supported: .*use automatic optimization"),
+    (TwoOptimizers, r"manual optimization is not supported.*; exactly one optimizer is supported, got 2"
+                    r".*use one optimizer with a parameter group per part of the model"),
+])
+def test_manual_optimization_and_several_optimizers_are_refused_with_the_reason(engine, cls, reason):
+    with pytest.raises(ValueError, match=reason):
+        fit(engine, cls(), um.BlobData(), max_steps=3)
