@@ -59,6 +59,13 @@ def test_warmup_is_sized_from_the_updates_of_two_learners(runs):
     assert run["total_steps"] == run["stats"]["updates"] == 24
 
 
+def test_max_time_ends_training_for_every_learner(runs):
+    run = runs["max_time"]
+    stats = run["stats"]
+    assert run["finished"] and 2.0 <= run["elapsed"] < 15.0
+    assert 0 < stats["updates"] and books_balance(stats) and min(stats["pushes_per_learner"]) > 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="`lightning` is not installed")
 def test_a_lightning_pytorch_trainer_runs_the_real_engine(runs):
     run = runs["lightning"]

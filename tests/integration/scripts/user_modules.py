@@ -6,6 +6,7 @@ a ``lightning.pytorch`` Trainer in the same processes when ``lightning`` is inst
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: user_modules
@@ -131,6 +132,20 @@ model = um.WarmupAdamW()
 trainer = fit(model, um.BlobData(), StaleStrategy("async", record_trace=False), max_epochs=2)
 if trainer.global_rank == 0:
     results["warmup"] = {"total_steps": model.total_steps, "stats": trainer.strategy.stats}
+
+# max_time on two learners: whoever passes it first ends training for all.
+class Slow(um.Classifier):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
+pl.seed_everything(0)
+started = time.monotonic()
+trainer = fit(Slow(), um.BlobData(), StaleStrategy("async", record_trace=False), max_time={"seconds": 2})
+if trainer.global_rank == 0:
+    results["max_time"] = {"elapsed": time.monotonic() - started, "stats": trainer.strategy.stats,
+                           "global_step": trainer.global_step, "finished": trainer.state.finished}
 
 # The same processes under a lightning.pytorch Trainer, with the registered name.
 if importlib.util.find_spec("lightning") is not None:
