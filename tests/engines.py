@@ -14,9 +14,23 @@ import pytorch_lightning as pl
 import torch
 
 ENGINES = ("simulated", "stale")
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-             enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1)
-_LAUNCHER_VARIABLES = ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+QUIET = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    accelerator="cpu",
+    devices=1,
+)
+_LAUNCHER_VARIABLES = (
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "RANK",
+    "NODE_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
 
 
 def free_port() -> int:
@@ -43,8 +57,17 @@ def strategy(engine: str, variant: str = "sync", k: int | None = None, learners:
     return StaleStrategy(variant, None, **kwargs)  # K = P = 1
 
 
-def fit(engine: str, model, datamodule=None, *, variant: str = "sync", k: int | None = None,
-        learners: int = 2, strategy_kwargs=None, **trainer_kwargs) -> pl.Trainer:
+def fit(
+    engine: str,
+    model,
+    datamodule=None,
+    *,
+    variant: str = "sync",
+    k: int | None = None,
+    learners: int = 2,
+    strategy_kwargs=None,
+    **trainer_kwargs,
+) -> pl.Trainer:
     """``trainer.fit`` on ``engine`` with quiet defaults; returns the Trainer. The real engine's
     default process group is destroyed afterwards, so that the next fit can create its own."""
     options = {**QUIET, **trainer_kwargs}
@@ -63,6 +86,8 @@ def server_lr(trainer: pl.Trainer, group: int = 0) -> float:
 
 
 def books_balance(stats: dict) -> bool:
-    return stats["gradients_received"] == (stats["gradients_applied"] + stats["gradients_dropped"]
-                                           + stats["gradients_in_flight_at_stop"])
-
+    return stats["gradients_received"] == (
+        stats["gradients_applied"]
+        + stats["gradients_dropped"]
+        + stats["gradients_in_flight_at_stop"]
+    )

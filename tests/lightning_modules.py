@@ -51,5 +51,7 @@ class LitClassifier(L.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         self.total_steps = self.trainer.estimated_stepping_batches
         warmup = max(1, int(self.hparams.warmup * self.total_steps))
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -29,8 +29,14 @@ def blobs(n: int = 192, features: int = 8, classes: int = 3, seed: int = 0, nois
 
 
 class BlobData(pl.LightningDataModule):
-    def __init__(self, batch_size: int = 16, n: int = 192, features: int = 8, image: bool = False,
-                 val_noise_labels: bool = False):
+    def __init__(
+        self,
+        batch_size: int = 16,
+        n: int = 192,
+        features: int = 8,
+        image: bool = False,
+        val_noise_labels: bool = False,
+    ):
         super().__init__()
         self.batch_size, self.n, self.features, self.image = batch_size, n, features, image
         self.val_noise_labels = val_noise_labels
@@ -93,12 +99,14 @@ class WarmupAdamW(Classifier):
         self.total_steps = None
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
-                                      weight_decay=self.hparams.weight_decay)
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
         self.total_steps = self.trainer.estimated_stepping_batches
         warmup_steps = max(1, int(self.hparams.warmup * self.total_steps))
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
+            optimizer, lambda step: min(1.0, (step + 1) / warmup_steps)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
@@ -135,8 +143,14 @@ class BatchNormCNN(Classifier):
 
     def __init__(self, lr: float = 0.05):
         super().__init__(lr=lr)
-        self.net = nn.Sequential(nn.Conv2d(1, 6, 2, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
-                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 6, 2, padding=1),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(6, 3),
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
@@ -152,18 +166,31 @@ class Plateau(Classifier):
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            optimizer, mode="min", factor=self.hparams.factor, patience=0)
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": "epoch",
-                                 "frequency": 1}}
+            optimizer, mode="min", factor=self.hparams.factor, patience=0
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {
+                "scheduler": scheduler,
+                "monitor": "val/loss",
+                "interval": "epoch",
+                "frequency": 1,
+            },
+        }
 
 
 class Lion(torch.optim.Optimizer):
     """A third-party optimizer with its own constructor (the Lion update, Chen et al. 2023),
     keeping one option outside ``defaults`` as some packages do."""
 
-    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
-                 sign_scale: float = 1.0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-4,
+        betas=(0.9, 0.99),
+        weight_decay: float = 0.0,
+        sign_scale: float = 1.0,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
         self.sign_scale = sign_scale
 
@@ -220,11 +247,19 @@ class AnyOptimizer(pl.LightningModule):
     def configure_optimizers(self):
         if self.sparse:
             return self.make_optimizer([{"params": [self.embedding.weight]}])
-        return self.make_optimizer([{"params": [self.body.weight, self.frozen.weight]},
-                                    {"params": [self.head.weight, self.unused.weight]}])
+        return self.make_optimizer(
+            [
+                {"params": [self.body.weight, self.frozen.weight]},
+                {"params": [self.head.weight, self.unused.weight]},
+            ]
+        )
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        x = torch.randint(10, (1, 3), generator=g) if self.sparse else torch.randn(1, 4, generator=g)
+        x = (
+            torch.randint(10, (1, 3), generator=g)
+            if self.sparse
+            else torch.randn(1, 4, generator=g)
+        )
         y = torch.randn(1, 4 if self.sparse else 2, generator=g)
         return DataLoader(TensorDataset(x.repeat(32, 1), y.repeat(32, 1)), batch_size=8)

@@ -153,10 +153,11 @@ def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor]) -> Opti
 
 # What `clone_optimizer` builds itself: the groups, the state, the defaults, torch's hooks and
 # bookkeeping (an LR scheduler's ``step`` wrapper is left out too: it calls the learner's).
-_REBUILT = frozenset(("param_groups", "state", "defaults", "_opt_called", "_zero_grad_profile_name",
-                      "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                      "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"))
+_REBUILT = frozenset((
+    "param_groups", "state", "defaults", "_opt_called", "_zero_grad_profile_name",
+    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks"))
 
 
 class ServerState:

@@ -21,9 +21,6 @@ from typing import Any, Callable
 
 from pytorch_lightning import Callback
 
-SHOWN = ("updates", "K", "staleness")
-
-
 def show_server_progress(strategy: Any, trainer: Any, undo: list[Callable[[], Any]]) -> None:
     """Make ``trainer``'s progress bar show ``strategy.progress()`` until the callables that
     this appends to ``undo`` run."""
@@ -37,8 +34,10 @@ def show_server_progress(strategy: Any, trainer: Any, undo: list[Callable[[], An
         return {**own_metrics(trainer, pl_module), **(strategy.progress() or {})}
 
     bar.get_metrics = get_metrics
-    undo.append(lambda: setattr(bar, "get_metrics", saved) if saved is not None
-                else vars(bar).pop("get_metrics", None))
+    if saved is None:
+        undo.append(lambda: vars(bar).pop("get_metrics", None))
+    else:
+        undo.append(lambda: setattr(bar, "get_metrics", saved))
     callback = ServerProgress()
     trainer.callbacks.insert(trainer.callbacks.index(bar) + 1, callback)
     undo.append(lambda: trainer.callbacks.remove(callback))
@@ -77,5 +76,5 @@ class ServerProgress(Callback):
 
 def _is_tqdm_bar(bar: Any) -> bool:
     """Lightning's TQDM bar (or a subclass) of either namespace."""
-    return any(cls.__name__ == "TQDMProgressBar" and cls.__module__.endswith("progress.tqdm_progress")
-               for cls in type(bar).__mro__)
+    return any(cls.__name__ == "TQDMProgressBar"
+               and cls.__module__.endswith("progress.tqdm_progress") for cls in type(bar).__mro__)

@@ -227,7 +227,8 @@ class StaleStrategy(ServerStrategyMixin):
                             "check_val_every_n_epoch, more often with shorter epochs: "
                             "limit_train_batches)")
         if problems:
-            raise ValueError(f"{type(self).__name__} cannot run this Trainer: " + "; ".join(problems))
+            raise ValueError(f"{type(self).__name__} cannot run this Trainer: "
+                             + "; ".join(problems))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

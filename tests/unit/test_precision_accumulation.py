@@ -32,17 +32,35 @@ def mean(values):
     return sum(values) / len(values)
 
 
-@pytest.mark.parametrize("precision,param_dtype", [
-    ("bf16-mixed", torch.float32), ("16-mixed", torch.float32),
-    ("bf16-true", torch.bfloat16), ("64-true", torch.float64)])
+@pytest.mark.parametrize(
+    "precision,param_dtype",
+    [
+        ("bf16-mixed", torch.float32),
+        ("16-mixed", torch.float32),
+        ("bf16-true", torch.bfloat16),
+        ("64-true", torch.float64),
+    ],
+)
 def test_precision_plugins_train_with_every_gradient_counted(engine, precision, param_dtype):
     pl.seed_everything(0)
     model = um.Classifier(lr=0.2)
     clock = WallClockLogger()
-    options = (dict(plugins=[MixedPrecision("16-mixed", "cpu")]) if precision == "16-mixed"
-               else dict(precision=precision))
-    trainer = fit(engine, model, um.BlobData(), variant="k_async", k=2, learners=3, max_steps=30,
-                  callbacks=[clock], **options)
+    options = (
+        dict(plugins=[MixedPrecision("16-mixed", "cpu")])
+        if precision == "16-mixed"
+        else dict(precision=precision)
+    )
+    trainer = fit(
+        engine,
+        model,
+        um.BlobData(),
+        variant="k_async",
+        k=2,
+        learners=3,
+        max_steps=30,
+        callbacks=[clock],
+        **options,
+    )
     stats = trainer.strategy.stats
     assert stats["updates"] == 30 == trainer.global_step and books_balance(stats)
     assert stats["gradients_applied"] == 30 * stats["k"]  # every push applied (K-async)
@@ -71,13 +89,21 @@ class OverflowOnce(um.Classifier):
 def test_an_overflowing_fp16_gradient_is_dropped_and_the_scale_halved(engine):
     pl.seed_everything(0)
     plugin = MixedPrecision("16-mixed", "cpu")
-    trainer = fit(engine, OverflowOnce(), um.BlobData(), variant="k_async", k=2, learners=3,
-                  max_steps=10, plugins=[plugin])
+    trainer = fit(
+        engine,
+        OverflowOnce(),
+        um.BlobData(),
+        variant="k_async",
+        k=2,
+        learners=3,
+        max_steps=10,
+        plugins=[plugin],
+    )
     stats = trainer.strategy.stats
     assert stats["gradients_dropped_by_reason"] == {"overflow": 1}
     assert stats["updates"] == 10 and books_balance(stats)
     # 2**16 at the start, no growth in so few steps (growth_interval=2000), halved once
-    assert plugin.scaler.get_scale() == 2.0 ** 15
+    assert plugin.scaler.get_scale() == 2.0**15
     assert all(torch.isfinite(p).all() for p in trainer.strategy.core.state.params)
 
 
@@ -105,8 +131,9 @@ class Recorded(pl.LightningModule):
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(96, 3, generator=g)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5])),
-                                           batch_size=4)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5])), batch_size=4
+        )
 
 
 @pytest.fixture
@@ -128,19 +155,33 @@ def test_accumulated_push_is_the_mean_gradient_of_its_micro_batches(engine, push
     torch.manual_seed(0)
     model = Recorded()
     clock = WallClockLogger()
-    trainer = fit(engine, model, variant="k_sync", k=2, learners=3, max_steps=6,
-                  accumulate_grad_batches=n, callbacks=[clock])
+    trainer = fit(
+        engine,
+        model,
+        variant="k_sync",
+        k=2,
+        learners=3,
+        max_steps=6,
+        accumulate_grad_batches=n,
+        callbacks=[clock],
+    )
     k = trainer.strategy.stats["k"]
     # a push is n micro-batches; an update takes K pushes: n x batch x K samples
-    steps = [int(b) - int(a) for a, b in zip([0] + [r["samples"] for r in clock.rows],
-                                              [r["samples"] for r in clock.rows])]
+    steps = [
+        int(b) - int(a)
+        for a, b in zip(
+            [0] + [r["samples"] for r in clock.rows], [r["samples"] for r in clock.rows]
+        )
+    ]
     assert steps == [n * batch * k] * 6
     assert all(samples == n * batch for _, samples in pushes)
     assert len(model.micro_batches) >= n * len(pushes)
     for i, (contribution, _) in enumerate(pushes):
-        group = model.micro_batches[n * i:n * (i + 1)]
+        group = model.micro_batches[n * i : n * (i + 1)]
         params = group[0][1]
-        assert all(all(torch.equal(a, b) for a, b in zip(params, g[1])) for g in group)  # one version
+        assert all(
+            all(torch.equal(a, b) for a, b in zip(params, g[1])) for g in group
+        )  # one version
         reference = Recorded()
         with torch.no_grad():
             for p, value in zip(reference.parameters(), params):

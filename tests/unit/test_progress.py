@@ -28,16 +28,32 @@ class BarWatcher(Callback):
 
     def _look(self, trainer, pl_module):
         bar = trainer.progress_bar_callback
-        self.seen.append((trainer.current_epoch, bar.train_progress_bar.n, bar.train_progress_bar.total,
-                          str(bar.train_progress_bar), bar.get_metrics(trainer, pl_module),
-                          trainer.strategy.stats["updates"]))
+        self.seen.append(
+            (
+                trainer.current_epoch,
+                bar.train_progress_bar.n,
+                bar.train_progress_bar.total,
+                str(bar.train_progress_bar),
+                bar.get_metrics(trainer, pl_module),
+                trainer.strategy.stats["updates"],
+            )
+        )
 
 
 def test_the_bar_counts_server_updates_and_shows_k_and_staleness(engine):
     pl.seed_everything(0)
     watcher = BarWatcher()
-    trainer = fit(engine, um.Classifier(), um.BlobData(batch_size=16), variant="k_async", k=2,
-                  learners=3, max_epochs=2, enable_progress_bar=True, callbacks=[watcher])
+    trainer = fit(
+        engine,
+        um.Classifier(),
+        um.BlobData(batch_size=16),
+        variant="k_async",
+        k=2,
+        learners=3,
+        max_epochs=2,
+        enable_progress_bar=True,
+        callbacks=[watcher],
+    )
     stats = trainer.strategy.stats
     k, per_epoch = stats["k"], 12 // stats["k"]  # 12 batches of 16 per epoch (pushes, all learners)
     last = {}
@@ -53,19 +69,30 @@ def test_the_bar_counts_server_updates_and_shows_k_and_staleness(engine):
     assert stats["updates"] == 2 * per_epoch
     # after fit the bar is Lightning's own again
     bar = trainer.progress_bar_callback
-    assert "get_metrics" not in vars(bar) and "ServerProgress" not in [type(c).__name__ for c in trainer.callbacks]
+    assert "get_metrics" not in vars(bar) and "ServerProgress" not in [
+        type(c).__name__ for c in trainer.callbacks
+    ]
     assert "updates" not in trainer.logged_metrics  # shown, not logged (WallClockLogger logs)
 
 
 def test_a_custom_bar_is_left_alone_but_shows_the_figures(engine):
     class Quiet(TQDMProgressBar):
         def get_metrics(self, trainer, pl_module):
-            return {k: v for k, v in super().get_metrics(trainer, pl_module).items() if k != "v_num"}
+            return {
+                k: v for k, v in super().get_metrics(trainer, pl_module).items() if k != "v_num"
+            }
 
     pl.seed_everything(0)
     bar = Quiet(refresh_rate=5)
-    trainer = fit(engine, um.Classifier(), um.BlobData(batch_size=16), variant="async",
-                  max_steps=10, enable_progress_bar=True, callbacks=[bar])
+    trainer = fit(
+        engine,
+        um.Classifier(),
+        um.BlobData(batch_size=16),
+        variant="async",
+        max_steps=10,
+        enable_progress_bar=True,
+        callbacks=[bar],
+    )
     assert trainer.progress_bar_callback is bar
     shown = str(bar.train_progress_bar)
     assert "updates=10" in shown and "K=1" in shown and "v_num" not in shown

@@ -70,8 +70,13 @@ class ValidationLosses(pl.Callback):
 
 def fit(model, data, strategy, callbacks=(), trainer_cls=pl.Trainer, **kwargs):
     applied.clear()
-    trainer = trainer_cls(accelerator="cpu", devices=2, strategy=strategy, callbacks=list(callbacks),
-                          **{**QUIET, **kwargs})
+    trainer = trainer_cls(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        callbacks=list(callbacks),
+        **{**QUIET, **kwargs},
+    )
     trainer.fit(model, data)
     return trainer
 
@@ -95,13 +100,21 @@ if trainer.global_rank == 0:
     data.setup()
     state = trainer.strategy.core.state
     results["batchnorm"] = {
-        "same_on_every_learner": books.same, "logged": seen.losses, "after_fit": after_fit,
+        "same_on_every_learner": books.same,
+        "logged": seen.losses,
+        "after_fit": after_fit,
         "checkpoint_eval": evaluate(restored, data.val_dataloader()),
-        "buffers_in_checkpoint": sorted(k for k in torch.load(ckpt, weights_only=False)["state_dict"]
-                                        if "running" in k or "num_batches" in k),
-        "server_buffers_match_module": all(torch.equal(v, model.state_dict()[k])
-                                           for k, v in state.named_state(model).items()),
-        "applied_while_paused": sum(p for p, _, _ in applied), "stats": trainer.strategy.stats}
+        "buffers_in_checkpoint": sorted(
+            k
+            for k in torch.load(ckpt, weights_only=False)["state_dict"]
+            if "running" in k or "num_batches" in k
+        ),
+        "server_buffers_match_module": all(
+            torch.equal(v, model.state_dict()[k]) for k, v in state.named_state(model).items()
+        ),
+        "applied_while_paused": sum(p for p, _, _ in applied),
+        "stats": trainer.strategy.stats,
+    }
 
 
 # A StepLR per epoch: every update of epoch e must use lr * gamma**e.
@@ -114,17 +127,28 @@ class Stepped(um.Classifier):
 pl.seed_everything(0)
 trainer = fit(Stepped(), um.BlobData(), StaleStrategy("async", record_trace=False), max_epochs=3)
 if trainer.global_rank == 0:
-    results["steplr"] = {"applied": list(applied), "stats": trainer.strategy.stats,
-                         "final_lr": trainer.strategy.core.state.optimizer.param_groups[0]["lr"]}
+    results["steplr"] = {
+        "applied": list(applied),
+        "stats": trainer.strategy.stats,
+        "final_lr": trainer.strategy.core.state.optimizer.param_groups[0]["lr"],
+    }
 
 # ReduceLROnPlateau on val/loss, per epoch, on validation data it cannot keep improving on.
 pl.seed_everything(0)
 seen = ValidationLosses()
-trainer = fit(um.Plateau(lr=0.2, factor=0.5), um.BlobData(val_noise_labels=True),
-              StaleStrategy("async", record_trace=False), [seen], max_epochs=4)
+trainer = fit(
+    um.Plateau(lr=0.2, factor=0.5),
+    um.BlobData(val_noise_labels=True),
+    StaleStrategy("async", record_trace=False),
+    [seen],
+    max_epochs=4,
+)
 if trainer.global_rank == 0:
-    results["plateau"] = {"losses": seen.losses, "applied": list(applied),
-                          "final_lr": trainer.strategy.core.state.optimizer.param_groups[0]["lr"]}
+    results["plateau"] = {
+        "losses": seen.losses,
+        "applied": list(applied),
+        "final_lr": trainer.strategy.core.state.optimizer.param_groups[0]["lr"],
+    }
 
 # AdamW warm-up sized from estimated_stepping_batches, max_epochs only.
 pl.seed_everything(0)
@@ -132,6 +156,7 @@ model = um.WarmupAdamW()
 trainer = fit(model, um.BlobData(), StaleStrategy("async", record_trace=False), max_epochs=2)
 if trainer.global_rank == 0:
     results["warmup"] = {"total_steps": model.total_steps, "stats": trainer.strategy.stats}
+
 
 # max_time on two learners: whoever passes it first ends training for all.
 class Slow(um.Classifier):
@@ -142,10 +167,16 @@ class Slow(um.Classifier):
 
 pl.seed_everything(0)
 started = time.monotonic()
-trainer = fit(Slow(), um.BlobData(), StaleStrategy("async", record_trace=False), max_time={"seconds": 2})
+trainer = fit(
+    Slow(), um.BlobData(), StaleStrategy("async", record_trace=False), max_time={"seconds": 2}
+)
 if trainer.global_rank == 0:
-    results["max_time"] = {"elapsed": time.monotonic() - started, "stats": trainer.strategy.stats,
-                           "global_step": trainer.global_step, "finished": trainer.state.finished}
+    results["max_time"] = {
+        "elapsed": time.monotonic() - started,
+        "stats": trainer.strategy.stats,
+        "global_step": trainer.global_step,
+        "finished": trainer.state.finished,
+    }
 
 # The same processes under a lightning.pytorch Trainer, with the registered name.
 if importlib.util.find_spec("lightning") is not None:
@@ -156,6 +187,9 @@ if importlib.util.find_spec("lightning") is not None:
     model = lm.LitClassifier()
     trainer = fit(model, lm.LitBlobs(), "k_async", trainer_cls=L.Trainer, max_steps=12)
     if trainer.global_rank == 0:
-        results["lightning"] = {"trainer": type(trainer).__module__, "stats": trainer.strategy.stats,
-                                "total_steps": model.total_steps}
+        results["lightning"] = {
+            "trainer": type(trainer).__module__,
+            "stats": trainer.strategy.stats,
+            "total_steps": model.total_steps,
+        }
 write_results(trainer, results)
