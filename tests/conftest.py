@@ -27,3 +27,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["simulated", "stale"])
+def engine(request, monkeypatch):
+    """Each engine in turn, in this process (see tests/engines.py); the real one as P = 1."""
+    from engines import one_process_environment
+
+    one_process_environment(monkeypatch)
+    return request.param
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """The environment of a one-process DDP-style run (the real engine with P = 1)."""
+    from engines import one_process_environment
+
+    one_process_environment(monkeypatch)

@@ -15,19 +15,38 @@ from torch.optim import Optimizer
 
 
 class Schedules:
-    """The scheduler configs of one optimizer (their schedulers are pointed at ``optimizer``).
+    """The scheduler configs of one optimizer, stepped here instead of by Lightning's loop.
+
+    The schedulers stay on the learner's optimizer (``learner_optimizer``), where Lightning,
+    callbacks such as ``LearningRateMonitor`` and checkpoints read the schedule. Where another
+    optimizer takes the steps (``stepped``: the server's copy, or a shard of it), its group
+    options (learning rate, momentum, ...) are copied from the learner's before every step and
+    after every scheduler step.
 
     Attributes:
         metrics: the latest logged values, for plateau schedulers stepped per update.
     """
 
-    def __init__(self, configs: Sequence[Any], optimizer: Optimizer) -> None:
+    def __init__(self, configs: Sequence[Any], learner_optimizer: Optimizer,
+                 stepped: Optimizer | None = None) -> None:
         self.configs = list(configs)
-        for config in self.configs:
-            config.scheduler.optimizer = optimizer
-        if self.configs:
-            _mark_steps_for_schedulers(optimizer)
+        self.learner_optimizer = learner_optimizer
+        self.stepped = learner_optimizer if stepped is None else stepped
         self.metrics: dict[str, float] = {}
+        self.sync_options()
+
+    def before_step(self) -> None:
+        """The stepped optimizer is about to step."""
+        self.sync_options()
+        self.learner_optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's schedulers check it
+
+    def sync_options(self) -> None:
+        """The learner optimizer's group options (what its schedulers, or the user, set) into the
+        stepped optimizer."""
+        if self.stepped is self.learner_optimizer:
+            return
+        for mine, theirs in zip(self.stepped.param_groups, self.learner_optimizer.param_groups):
+            mine.update((k, v) for k, v in theirs.items() if k != "params")
 
     @property
     def monitor_per_update(self) -> bool:
@@ -38,12 +57,14 @@ class Schedules:
         for config in self.configs:
             if config.interval == "step" and update_index % config.frequency == 0:
                 _step(config, self.metrics)
+        self.sync_options()
 
     def end_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """Epoch ``epoch`` (from 0) ended and its validation ran: step what is due."""
         for config in self.configs:
             if config.interval == "epoch" and (epoch + 1) % config.frequency == 0:
                 _step(config, metrics)
+        self.sync_options()
 
     def states(self) -> list[dict]:
         return [c.scheduler.state_dict() for c in self.configs]
@@ -51,6 +72,7 @@ class Schedules:
     def load_states(self, states: Sequence[dict]) -> None:
         for config, s in zip(self.configs, states):
             config.scheduler.load_state_dict(s)
+        self.sync_options()
 
 
 def _step(config: Any, metrics: Mapping[str, float]) -> None:
@@ -64,15 +86,3 @@ def _step(config: Any, metrics: Mapping[str, float]) -> None:
                              f"the logged metrics {sorted(metrics)}: log it, or set strict=False")
         return
     config.scheduler.step(float(value))
-
-
-def _mark_steps_for_schedulers(optimizer: Optimizer) -> None:
-    # torch's schedulers warn unless optimizer.step was wrapped by them; stepping moved here.
-    step = optimizer.step
-
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked_step  # type: ignore[method-assign]

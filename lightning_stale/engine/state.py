@@ -156,7 +156,9 @@ def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor], only_ma
 
     The optimizer's own class is built with the constructor arguments its ``defaults`` name (a
     class whose ``defaults`` hold more than its constructor takes, like torch's AdamW, is fine);
-    a constructor that cannot be called that way is bypassed with a deep copy instead. Each
+    a constructor that cannot be called that way is bypassed with a deep copy instead. Options a
+    constructor keeps as attributes outside ``defaults`` are copied over (neither way would
+    keep them: a deep copy of an `Optimizer` holds only its defaults, state and groups). Each
     parameter's state (momentum, moments, step counts) is copied from the learner's optimizer."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates the loss several times per step, which a parameter "
@@ -170,20 +172,33 @@ def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor], only_ma
               for g in optimizer.param_groups]
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
+    memo = {id(p): mapping.get(id(p), p) for g in optimizer.param_groups for p in g["params"]}
     try:
         clone = cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-    except (TypeError, ValueError):
-        memo = {id(p): mapping.get(id(p), p) for g in optimizer.param_groups for p in g["params"]}
-        clone = copy.deepcopy(optimizer, memo)
+    except Exception:  # noqa: BLE001 - any constructor that cannot be called this way
+        clone = copy.deepcopy(optimizer, dict(memo))
         for group, original in zip(clone.param_groups, optimizer.param_groups):
             group["params"] = kept(original)
         clone.state.clear()
+    memo[id(optimizer)] = clone
+    for name, value in vars(optimizer).items():
+        if name not in _REBUILT and not getattr(value, "_wrapped_by_lr_sched", False):
+            setattr(clone, name, copy.deepcopy(value, memo))
     for learner_param, state in optimizer.state.items():
         server_param = mapping.get(id(learner_param))
         if server_param is not None:  # momentum etc. after a resume
             clone.state[server_param] = {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
                                          for k, v in state.items()}
     return clone
+
+
+# What `clone_optimizer` builds itself: the groups, the state, the defaults, torch's hooks and
+# bookkeeping (an LR scheduler's ``step`` wrapper is left out too: it calls the learner's).
+_REBUILT = frozenset((
+    "param_groups", "state", "defaults", "_opt_called", "_zero_grad_profile_name",
+    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks"))
 
 
 class ServerState:
@@ -193,7 +208,9 @@ class ServerState:
         module: the learner's module; its trainable parameters and persistent buffers are copied.
         optimizer: the optimizer Lightning built for ``module``; rebuilt over the copies.
         schedulers: Lightning ``LRSchedulerConfig``s of that optimizer, stepped by the server
-            (`Schedules`).
+            (`Schedules`: they stay on the learner's optimizer, where Lightning, callbacks such as
+            ``LearningRateMonitor`` and checkpoints read the schedule, and its options are
+            copied to the server's optimizer).
         buffers: keep the module's buffers here (False where learners share one module).
         clip: clips the averaged gradient before the step (the Trainer's gradient clipping, as
             DDP applies it to its averaged gradient), or None.
@@ -219,7 +236,7 @@ class ServerState:
                                          only_mapped=tensors is not None)
         self._sparse = isinstance(self.optimizer, torch.optim.SparseAdam)
         self.clip = clip
-        self.schedules = Schedules(schedulers, self.optimizer)
+        self.schedules = Schedules(schedulers, optimizer, stepped=self.optimizer)
         self.vectors = ModelVectors(self.params, self.buffers)
         self._snapshot: tuple[int, Tensor] | None = None
 
@@ -241,6 +258,7 @@ class ServerState:
         load_gradients(self.params, average, present, sparse=self._sparse)
         if self.clip is not None:
             self.clip(self.optimizer)
+        self.schedules.before_step()
         self.optimizer.step()
         self._combine_buffers(contributions)
         self._snapshot = None

@@ -23,6 +23,7 @@ import math
 import os
 from typing import Any, Callable
 
+from pytorch_lightning import Callback
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_stale.delays.traces import TraceRecorder
@@ -31,10 +32,22 @@ from lightning_stale.engine.records import UpdateRecord
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES, Variant, check_k
-from lightning_stale.strategies.lightning_api import run_closure, trace_path
+from lightning_stale.strategies.lightning_api import (run_closure, switch_off_scheduler_stepping,
+                                                     trace_path)
 from lightning_stale.strategies.namespaces import namespace_of, new_instance
+from lightning_stale.strategies.progress import show_server_progress
 
 CHECKPOINT_KEY = "stale_server"  # the server's books in a Lightning checkpoint
+
+
+class _ServerStateForValidation(Callback):
+    """See `ServerStrategyMixin.validate_on_server_state`."""
+
+    def __init__(self, strategy: ServerStrategyMixin) -> None:
+        self.strategy = strategy
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy.enter_validation()
 
 
 class ServerStrategyMixin:
@@ -80,6 +93,7 @@ class ServerStrategyMixin:
         self._final_stats: dict | None = None
         self._undo: list[Callable[[], None]] = []
         self._resume: dict | None = None  # CHECKPOINT_KEY of a checkpoint being resumed
+        self.updates_per_epoch = 0  # server updates an epoch makes (an upper bound), set in setup
 
     # ------------------------------------------------------------------ the variant
     def settle_variant(self, p: int) -> Variant:
@@ -134,30 +148,71 @@ class ServerStrategyMixin:
         setattr(obj, name, value)
         self._undo.append(lambda: setattr(obj, name, saved))
 
-    def take_over_schedulers(self) -> list:
+    def take_over_schedulers(self, trainer: Any) -> list:
         """The server steps the LR schedulers (per update or per epoch): Lightning's stepping is
-        switched off until teardown. Returns the scheduler configs."""
-        schedulers = list(self.lr_scheduler_configs)
-        self.patch(self, "lr_scheduler_configs", [])
-        return schedulers
+        switched off until teardown, while its configs stay where Lightning, callbacks (e.g.
+        ``LearningRateMonitor``) and checkpoints read them. Returns the scheduler configs."""
+        self._undo.append(switch_off_scheduler_stepping(trainer.fit_loop.epoch_loop))
+        return list(self.lr_scheduler_configs)
 
     @contextlib.contextmanager
     def counting_updates(self, trainer: Any, pushes_per_epoch: int):
         """Within this block (Lightning's ``configure_optimizers``), ``estimated_stepping_batches``
         is the number of server updates the fit will make, as it is the number of optimizer
-        steps under DDP: ``max_steps`` when set, else ``max_epochs`` x the updates an epoch of
-        ``pushes_per_epoch`` pushes makes, pushes / K (exact where every push is applied; an
-        upper bound for the sync family, which drops a few stale pushes, and for AdaSync)."""
+        steps under DDP: ``max_epochs`` x the updates an epoch of ``pushes_per_epoch`` pushes
+        makes, pushes / K, or ``max_steps`` if that comes first (the updates per epoch are
+        exact where every push is applied; an upper bound for the sync family, which drops a
+        few stale pushes, and for AdaSync). With no ``max_epochs`` it is ``max_steps``."""
         epoch_loop = trainer.fit_loop.epoch_loop
-        if epoch_loop.max_steps != -1 or trainer.max_epochs in (None, -1):
+        max_steps = epoch_loop.max_steps
+        self.updates_per_epoch = max(1, math.ceil(pushes_per_epoch / self.variant.k))
+        if trainer.max_epochs in (None, -1):
             yield
             return
-        updates = max(1, math.ceil(pushes_per_epoch / self.variant.k)) * max(1, trainer.max_epochs)
+        updates = self.updates_per_epoch * max(1, trainer.max_epochs)
+        if max_steps != -1:
+            updates = min(updates, max_steps)
         epoch_loop.max_steps = updates  # what Lightning's estimate returns for an endless loader
         try:
             yield
         finally:
-            epoch_loop.max_steps = -1
+            epoch_loop.max_steps = max_steps
+
+    # ------------------------------------------------------------------ validation
+    def validate_on_server_state(self, trainer: Any) -> None:
+        """Until teardown, the first of the Trainer's callbacks puts the server's parameters and
+        buffers into the module when validation starts, so that every validation hook (the
+        callbacks' and the module's ``on_validation_start`` included) sees them, as every DDP
+        rank's hooks see the same model."""
+        callback = _ServerStateForValidation(self)
+        trainer.callbacks.insert(0, callback)
+        self._undo.append(lambda: trainer.callbacks.remove(callback))
+
+    def enter_validation(self) -> None:
+        """Put the server's parameters and buffers into the module for validation."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ progress bar
+    def show_progress(self, trainer: Any) -> None:
+        """The progress bar shows server updates, K and mean staleness until teardown (see
+        `strategies.progress`)."""
+        show_server_progress(self, trainer, self._undo)
+
+    def progress(self) -> dict[str, float] | None:
+        """Server updates so far, the K in force and the mean staleness of the gradients applied
+        so far, on the rank that hosts the server (None elsewhere)."""
+        core = self.core
+        if core is None:
+            return None
+        with self.books_lock():
+            histogram = core.rules.counts.staleness
+            applied = sum(histogram.values())
+            staleness = sum(s * n for s, n in histogram.items()) / applied if applied else 0.0
+            return {"updates": core.updates, "K": core.rules.k, "staleness": round(staleness, 3)}
+
+    def books_lock(self) -> Any:
+        """Held while reading the server's books from another thread than the server's."""
+        return contextlib.nullcontext()
 
     def compute_gradient(self, model: Any, optimizer: Any, closure: Any) -> tuple[Any, bool]:
         """Run Lightning's closure (forward, backward, ``on_before_optimizer_step``, clipping)

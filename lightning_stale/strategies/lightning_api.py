@@ -34,6 +34,13 @@ def replace_sigterm_broadcast(epoch_loop: Any, check: Any) -> Any:
     return lambda: epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 
+def switch_off_scheduler_stepping(epoch_loop: Any) -> Any:
+    """Make Lightning's stepping of the LR schedulers (``_update_learning_rates`` of the training
+    epoch loop, called per batch and per epoch) do nothing; returns the undo."""
+    epoch_loop._update_learning_rates = lambda *args, **kwargs: None
+    return lambda: epoch_loop.__dict__.pop("_update_learning_rates", None)
+
+
 def sync_batchnorm_requested(strategy: Any) -> bool:
     """Whether ``Trainer(sync_batchnorm=True)`` gave the strategy a layer sync (``_layer_sync``)."""
     return getattr(strategy, "_layer_sync", None) is not None

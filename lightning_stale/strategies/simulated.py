@@ -72,8 +72,9 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     on. Validation, test, predict and checkpoints see the server's parameters and optimizer
     state; checkpoints also hold the simulation under the key ``"stale_server"`` so that a
     resumed fit continues the run (the sampler restarts from ``seed``, so a resumed run is not
-    bit-identical to an uninterrupted one). The simulated learners share one module, so its
-    buffers (e.g. BatchNorm statistics) follow every simulated learner's forward passes in turn.
+    bit-identical to an uninterrupted one). Buffers (e.g. BatchNorm statistics) are server state
+    as in the real engine: a simulated learner computes with the buffers of the version it
+    pulled, and each update's buffers are the mean of its pushes' buffers.
     After fit: ``stats`` (counters and virtual-time figures), the module holds the final server
     parameters, and ``trace_recorder`` holds the recorded delays.
 
@@ -140,16 +141,19 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         with self.counting_updates(trainer, pushes):
             super().setup(trainer)
         self.check_trainer(trainer, [])
-        self._schedulers = self.take_over_schedulers()
+        self._schedulers = self.take_over_schedulers(trainer)
         self._clip = self.take_over_clipping(trainer)
+        self.validate_on_server_state(trainer)
+        self.show_progress(trainer)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         module = self.lightning_module
-        # The simulated learners share one module, buffers included: only parameters travel.
-        state = ServerState(module, self.optimizers[0], self._schedulers, buffers=False, clip=self._clip)
-        self._learner_view = ModelVectors.of(module, buffers=False)
+        # Buffers travel with the parameters, as in the real engine: a simulated learner computes
+        # with the buffers of the version it pulled, and the server combines the pushed ones.
+        state = ServerState(module, self.optimizers[0], self._schedulers, clip=self._clip)
+        self._learner_view = ModelVectors.of(module)
         self._final_stats = None
         self._retry = self._finish = None
         self._epoch = module.trainer.current_epoch
@@ -195,8 +199,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self.server.end_epoch(metrics)
 
     @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
+    def enter_validation(self) -> None:
         self._load_server_parameters()
 
     @override

@@ -138,6 +138,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._pushes_per_epoch = 0
         self._batch_samples = 0
         self._batch_started = 0.0
+        self._buffers_at_start: list[torch.Tensor] = []  # the module's, before this push's forwards
         self._epoch = 0
         self.minibatch_times: list[float] = []  # each push's X as the server saw it (NaN: none)
 
@@ -176,6 +177,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
     def setup(self, trainer) -> None:
         fitting = self.fitting()
         if fitting:
+            self._check_trainer_options(trainer)  # before Lightning looks at the data with them
             # The server shapes epochs (the learners' loaders are endless): Lightning must not
             # cut them, nor validate every `limit_train_batches` batches of an endless loader.
             self._limit_train_batches = trainer.limit_train_batches
@@ -187,6 +189,19 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         else:
             super().setup(trainer)
             return
+        self.check_trainer(trainer, [])
+        self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
+                              if self.world_size > 1 else None)
+        self._schedulers = self.take_over_schedulers(trainer)
+        self._clip = self.take_over_clipping(trainer)
+        # Lightning broadcasts rank 0's SIGTERM flag before every training batch, which would put
+        # learners in lock-step; signals are the server's business here (see faults.py).
+        self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop, lambda: None))
+        self._undo.append(self.track_pace(trainer))
+        self.validate_on_server_state(trainer)
+        self.show_progress(trainer)
+
+    def _check_trainer_options(self, trainer) -> None:
         problems = []
         if sync_batchnorm_requested(self):
             problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every "
@@ -196,15 +211,9 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
                             "every learner at an epoch's end (validate less often with "
                             "check_val_every_n_epoch, more often with shorter epochs: "
                             "limit_train_batches)")
-        self.check_trainer(trainer, problems)
-        self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
-                              if self.world_size > 1 else None)
-        self._schedulers = self.take_over_schedulers()
-        self._clip = self.take_over_clipping(trainer)
-        # Lightning broadcasts rank 0's SIGTERM flag before every training batch, which would put
-        # learners in lock-step; signals are the server's business here (see faults.py).
-        self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop, lambda: None))
-        self._undo.append(self.track_pace(trainer))
+        if problems:
+            raise ValueError(f"{type(self).__name__} cannot run this Trainer: "
+                             + "; ".join(problems))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -281,10 +290,10 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
             self._guarded(self._learner.resume)
         if first_micro_batch:
             self._batch_started = time.monotonic()
+            self._buffers_at_start = [b.detach().clone() for b in self._learner.vectors.buffers]
 
     @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
+    def enter_validation(self) -> None:
         if self._learner is not None and self.fitting():
             self._learner.enter_validation()
 
@@ -296,8 +305,16 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         trainer = self.lightning_module.trainer
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-            self._guarded(self._learner.step, loss_value, self._batch_samples, self._batch_started,
+            learner = self._learner
+            discarded, version = learner.cancelled, learner.version
+            self._guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
+            if learner.cancelled > discarded and learner.version == version and not learner.stopped:
+                # Discarded with no new parameters (it started after an epoch's end): as if it
+                # never ran, so its forward passes leave no trace in the buffers either.
+                with torch.no_grad():
+                    for buffer, saved in zip(learner.vectors.buffers, self._buffers_at_start):
+                        buffer.copy_(saved)
             self.minibatch_times.append(self._learner.last_x)  # X, for MiniBatchTimer
         self._batch_samples = 0
         set_global_step(trainer, max(self._learner.version, 0))
@@ -344,8 +361,22 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
 
     @override
     def on_train_end(self) -> None:
+        self._step_last_epoch_schedulers()
         self._shut_down()
         super().on_train_end()
+
+    def _step_last_epoch_schedulers(self) -> None:
+        """Lightning steps the epoch-interval schedulers after every epoch's validation, the
+        last epoch's too; the server steps them when the next epoch begins, so when the fit
+        ended with an epoch (not with ``max_steps`` inside one) that epoch's are stepped here."""
+        server = self._server
+        if server is None or self._learner is None:
+            return
+        with server.lock:
+            epochs_ended = server.core.epoch
+        if epochs_ended > self._epoch:
+            trainer = self.lightning_module.trainer
+            server.resume({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     def _shut_down(self) -> None:
         learner, self._learner = self._learner, None
@@ -403,6 +434,10 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
 
     def _engine_checkpoint(self) -> dict:
         return self._checkpoint.engine_state()
+
+    @override
+    def books_lock(self) -> Any:
+        return self._server.lock if self._server is not None else super().books_lock()
 
     @classmethod
     @override

@@ -104,10 +104,13 @@ def test_an_epoch_end_pauses_everyone_without_dropping_anything():
     assert [(l, m.kind, m.epoch) for l, m in sent] == [(l, Kind.EPOCH, 1) for l in range(4)]
     assert server.core.rules.counts.dropped == {} and len(server.core.rules.pending) == 2
     assert server.core._paused_at is not None  # the clock stopped
-    push(server, 2, 0)  # in flight across the epoch's end: it counts, and completes the update
-    assert [l for l, m in endpoint.take() if m.kind == Kind.PARAMS] == [0, 1, 2]
+    push(server, 2, 0)  # in flight across the epoch's end: held while everyone validates
+    assert endpoint.take() == [] and server.core.rules.counts.received == 2
     server._handle(("resume", {"val/loss": 1.0}))
     assert server.core._paused_at is None
+    # training goes on: the held push counts, and completes the update
+    assert [l for l, m in endpoint.take() if m.kind == Kind.PARAMS] == [0, 1, 2]
+    assert server.core.updates == 1 and server.core.rules.counts.received == 3
 
 
 def test_max_updates_stops_everyone_and_late_pushes_count_as_in_flight():

@@ -87,6 +87,8 @@ class ParameterServer:
         self.endpoint: ServerEndpoint | None = None
         self._thread: threading.Thread | None = None
         self._cause = 0.0  # arrival time of the push being decided (see `Message.age`)
+        self._paused = False  # an epoch ended; training resumes with rank 0's RESUME
+        self._held: list[Message] = []  # pushes that arrived during the pause
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, endpoint: ServerEndpoint) -> None:
@@ -145,6 +147,12 @@ class ParameterServer:
                 else:
                     self.core.report_metrics(metrics)
                     self.payloads.on_schedule(self.core.epoch, metrics, per_update=True)
+            if kind == _RESUME:
+                self._release_held()
+        elif event.kind == Kind.PUSH and self._paused:
+            # Nothing changes while paused (validation and checkpoints see the epoch's end, and
+            # the epoch's schedulers step before the next epoch's first update, as under DDP).
+            self._held.append(event)
         elif event.kind == Kind.PUSH:
             self._on_push(event)
         elif event.kind == Kind.BYE:
@@ -164,6 +172,15 @@ class ParameterServer:
                                      contribution=contribution, loss=message.loss,
                                      samples=message.samples, unusable=unusable)
             self._answer(outcome)
+
+    def _release_held(self) -> None:
+        """Training goes on: the pushes held during the pause are decided now, as if they had
+        arrived at this instant (the pause is no training time)."""
+        self._paused = False
+        held, self._held = self._held, []
+        for message in held:
+            message.received_at = time.monotonic()
+            self._on_push(message)
 
     def _on_broken(self, event: Message) -> None:
         learner = event.learner
@@ -192,6 +209,7 @@ class ParameterServer:
         if outcome.epoch_ended:
             # Everyone validates the server's parameters; the pause is no training time.
             self.core.pause(time.monotonic())
+            self._paused = True
             self._broadcast(Kind.EPOCH)
 
     def _send_decision(self, decision: Decision) -> None:
@@ -203,10 +221,10 @@ class ParameterServer:
 
     def _stop(self) -> None:
         with self.lock:
-            if self.core.stopped:
-                return
-            self.core.stop()
-            self._broadcast_stop()
+            if not self.core.stopped:
+                self.core.stop()
+                self._broadcast_stop()
+        self._release_held()  # counted as in flight at the stop
 
     def _abort(self, reason: str, interrupted: bool = False) -> None:
         """The run ends early: every learner is told why."""

@@ -1,0 +1,195 @@
+"""Modules as users write them (tests/user_modules.py) on 2 CPU learner processes, several fits
+in one launch (the popen launcher reuses the processes): BatchNorm state identical on every
+learner at every validation and equal to the checkpoint's; a StepLR and a ReduceLROnPlateau per
+epoch stepped by the server between epochs; the warm-up sized from estimated_stepping_batches;
+a ``lightning.pytorch`` Trainer in the same processes when ``lightning`` is installed."""
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: user_modules
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+
+import user_modules as um  # noqa: E402
+from common import QUIET, write_results  # noqa: E402
+from lightning_stale import StaleStrategy  # noqa: E402
+from lightning_stale.engine.core import ServerCore  # noqa: E402
+from lightning_stale.engine.state import ServerState  # noqa: E402
+
+torch.set_num_threads(1)
+results = {}
+OUT = Path(sys.argv[1])
+applied = []  # rank 0: (paused, lr, epochs ended) of every update the server applied
+_apply = ServerState.apply
+
+
+def recording_apply(self, contributions, weights=None, update_index=0):
+    core = self.core_for_test
+    applied.append((core._paused_at is not None, self.optimizer.param_groups[0]["lr"], core.epoch))
+    return _apply(self, contributions, weights, update_index)
+
+
+ServerState.apply = recording_apply
+_core_init = ServerCore.__init__
+
+
+def core_init(self, variant, state=None, *args, **kwargs):
+    _core_init(self, variant, state, *args, **kwargs)
+    if state is not None:
+        state.core_for_test = self
+
+
+ServerCore.__init__ = core_init
+
+
+class Books(pl.Callback):
+    """Whether the module's parameters and buffers are the same on every learner whenever
+    validation starts."""
+
+    def __init__(self):
+        self.same = []
+
+    def on_validation_start(self, trainer, pl_module):
+        flat = torch.cat([t.detach().reshape(-1).double() for t in pl_module.state_dict().values()])
+        gathered = trainer.strategy.all_gather(flat)
+        self.same.append(bool((gathered == gathered[0]).all()))
+
+
+class ValidationLosses(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_validation_end(self, trainer, *args):
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self.losses.append(float(trainer.callback_metrics["val/loss"]))
+
+
+def fit(model, data, strategy, callbacks=(), trainer_cls=pl.Trainer, **kwargs):
+    applied.clear()
+    trainer = trainer_cls(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        callbacks=list(callbacks),
+        **{**QUIET, **kwargs},
+    )
+    trainer.fit(model, data)
+    return trainer
+
+
+def evaluate(module, loader):
+    module.eval()
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(module(x), y) for x, y in loader]
+    return float(sum(losses) / len(losses))
+
+
+# BatchNorm CNN, Async on 2 learners (they hold different versions while training).
+pl.seed_everything(0)
+data, model, books, seen = um.BlobData(image=True), um.BatchNormCNN(), Books(), ValidationLosses()
+trainer = fit(model, data, StaleStrategy("async", record_trace=False), [books, seen], max_epochs=3)
+ckpt = OUT.with_suffix(".bn.ckpt")
+trainer.save_checkpoint(ckpt)
+after_fit = trainer.validate(model, data, verbose=False)[0]["val/loss"]
+if trainer.global_rank == 0:
+    restored = um.BatchNormCNN.load_from_checkpoint(ckpt)
+    data.setup()
+    state = trainer.strategy.core.state
+    results["batchnorm"] = {
+        "same_on_every_learner": books.same,
+        "logged": seen.losses,
+        "after_fit": after_fit,
+        "checkpoint_eval": evaluate(restored, data.val_dataloader()),
+        "buffers_in_checkpoint": sorted(
+            k
+            for k in torch.load(ckpt, weights_only=False)["state_dict"]
+            if "running" in k or "num_batches" in k
+        ),
+        "server_buffers_match_module": all(
+            torch.equal(v, model.state_dict()[k]) for k, v in state.named_state(model).items()
+        ),
+        "applied_while_paused": sum(p for p, _, _ in applied),
+        "stats": trainer.strategy.stats,
+    }
+
+
+# A StepLR per epoch: every update of epoch e must use lr * gamma**e.
+class Stepped(um.Classifier):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+pl.seed_everything(0)
+trainer = fit(Stepped(), um.BlobData(), StaleStrategy("async", record_trace=False), max_epochs=3)
+if trainer.global_rank == 0:
+    results["steplr"] = {
+        "applied": list(applied),
+        "stats": trainer.strategy.stats,
+        "final_lr": trainer.strategy.core.state.optimizer.param_groups[0]["lr"],
+    }
+
+# ReduceLROnPlateau on val/loss, per epoch, on validation data it cannot keep improving on.
+pl.seed_everything(0)
+seen = ValidationLosses()
+trainer = fit(
+    um.Plateau(lr=0.2, factor=0.5),
+    um.BlobData(val_noise_labels=True),
+    StaleStrategy("async", record_trace=False),
+    [seen],
+    max_epochs=4,
+)
+if trainer.global_rank == 0:
+    results["plateau"] = {
+        "losses": seen.losses,
+        "applied": list(applied),
+        "final_lr": trainer.strategy.core.state.optimizer.param_groups[0]["lr"],
+    }
+
+# AdamW warm-up sized from estimated_stepping_batches, max_epochs only.
+pl.seed_everything(0)
+model = um.WarmupAdamW()
+trainer = fit(model, um.BlobData(), StaleStrategy("async", record_trace=False), max_epochs=2)
+if trainer.global_rank == 0:
+    results["warmup"] = {"total_steps": model.total_steps, "stats": trainer.strategy.stats}
+
+
+# max_time on two learners: whoever passes it first ends training for all.
+class Slow(um.Classifier):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
+pl.seed_everything(0)
+started = time.monotonic()
+trainer = fit(
+    Slow(), um.BlobData(), StaleStrategy("async", record_trace=False), max_time={"seconds": 2}
+)
+if trainer.global_rank == 0:
+    results["max_time"] = {
+        "elapsed": time.monotonic() - started,
+        "stats": trainer.strategy.stats,
+        "global_step": trainer.global_step,
+        "finished": trainer.state.finished,
+    }
+
+# The same processes under a lightning.pytorch Trainer, with the registered name.
+if importlib.util.find_spec("lightning") is not None:
+    import lightning as L
+    import lightning_modules as lm
+
+    pl.seed_everything(0)
+    model = lm.LitClassifier()
+    trainer = fit(model, lm.LitBlobs(), "k_async", trainer_cls=L.Trainer, max_steps=12)
+    if trainer.global_rank == 0:
+        results["lightning"] = {
+            "trainer": type(trainer).__module__,
+            "stats": trainer.strategy.stats,
+            "total_steps": model.total_steps,
+        }
+write_results(trainer, results)

@@ -1,0 +1,80 @@
+"""Modules as users write them on 2 real learner processes: what only several processes show
+(one launch of tests/integration/scripts/user_modules.py, several fits; the in-process twin of
+these checks is tests/unit/test_user_modules.py)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from processes import books_balance, run_script
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_script("user_modules.py", tmp_path_factory.mktemp("user_modules"))
+
+
+def test_batchnorm_state_is_the_same_on_every_learner_and_in_the_checkpoint(runs):
+    run = runs["batchnorm"]
+    # three validations during fit and one after: learners in step hold the server's state
+    assert run["same_on_every_learner"] == [True] * 4
+    assert run["server_buffers_match_module"]
+    assert run["buffers_in_checkpoint"] == [
+        "net.1.num_batches_tracked",
+        "net.1.running_mean",
+        "net.1.running_var",
+    ]
+    # the checkpoint evaluated in one process gives the validation loss logged during fit
+    assert run["checkpoint_eval"] == pytest.approx(run["logged"][-1], rel=1e-6)
+    assert run["after_fit"] == pytest.approx(run["logged"][-1], rel=1e-6)
+    assert run["applied_while_paused"] == 0  # nothing changes while everyone validates
+    stats = run["stats"]
+    assert stats["epochs"] == 3 and books_balance(stats) and min(stats["pushes_per_learner"]) > 0
+
+
+def test_an_epoch_scheduler_steps_between_epochs_on_the_server(runs):
+    run = runs["steplr"]
+    # every update of epoch e used lr 0.1 * 0.5**e, as every DDP step of that epoch would
+    for paused, lr, epoch in run["applied"]:
+        assert not paused and lr == pytest.approx(0.1 * 0.5**epoch)
+    assert {epoch for _, _, epoch in run["applied"]} == {0, 1, 2}
+    assert run["final_lr"] == pytest.approx(0.1 * 0.5**3)  # the last epoch's step too
+
+
+def test_reduce_lr_on_plateau_falls_on_the_server(runs):
+    run = runs["plateau"]
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.2)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        reference, mode="min", factor=0.5, patience=0
+    )
+    after = [0.2]  # the lr in force after each epoch's validation
+    for loss in run["losses"]:
+        plateau.step(loss)
+        after.append(reference.param_groups[0]["lr"])
+    assert len(run["losses"]) == 4 and after[-1] < 0.2
+    for _, lr, epoch in run["applied"]:
+        assert lr == pytest.approx(after[epoch])
+    assert run["final_lr"] == pytest.approx(after[-1])
+
+
+def test_warmup_is_sized_from_the_updates_of_two_learners(runs):
+    run = runs["warmup"]
+    # Async: 2 learners x 6 DDP steps per epoch = 12 updates per epoch, 2 epochs
+    assert run["total_steps"] == run["stats"]["updates"] == 24
+
+
+def test_max_time_ends_training_for_every_learner(runs):
+    run = runs["max_time"]
+    stats = run["stats"]
+    assert run["finished"] and 2.0 <= run["elapsed"] < 15.0
+    assert 0 < stats["updates"] and books_balance(stats) and min(stats["pushes_per_learner"]) > 0
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="`lightning` is not installed"
+)
+def test_a_lightning_pytorch_trainer_runs_the_real_engine(runs):
+    run = runs["lightning"]
+    assert run["trainer"] == "lightning.pytorch.trainer.trainer"
+    assert run["stats"]["updates"] == 12 == run["total_steps"] and books_balance(run["stats"])
