@@ -17,6 +17,13 @@ def data_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def in_a_scratch_folder(tmp_path_factory, monkeypatch):
+    """Every test runs in a folder of its own: what a run writes to the working directory
+    (Lightning's logs and checkpoints, the delay trace with ``logger=False``) lands there."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for the module's tests: on tiny models threads only add

@@ -10,8 +10,8 @@ path. Where the model is:
 * sharded: spread over the owners, gathered to rank 0 once per checkpoint (in the order of the
   server's updates, so every slice is of the same version).
 
-After fit the module on rank 0 holds the final parameters on every path (and, sharded, its
-optimizer the gathered final state), so Lightning's own slots need nothing from the server.
+After fit the module and the optimizer on rank 0 hold the server's final state on every path
+(`ServerCheckpoint.finish`), so Lightning's own slots need nothing from the server.
 """
 
 from __future__ import annotations
@@ -73,14 +73,17 @@ class ServerCheckpoint:
         return saved
 
     def finish(self) -> None:
-        """After the stop (sharded): rank 0's optimizer takes the final gathered state."""
+        """After the stop: rank 0's optimizer takes the server's final state (central: the
+        server's optimizer; sharded: the state gathered from the owners)."""
         s = self.strategy
-        if s.path != "sharded":
-            return
-        _, saved, _ = s._server.payloads.gathered(FINAL, s.check_server)
         optimizer = s.optimizers[0]
-        optimizer.load_state_dict(assemble_optimizer_state(
-            optimizer, s.shard_layout, s.shard_params, saved))
+        if s.path == "central":
+            with s._server.lock:
+                optimizer.load_state_dict(s._server.core.state.optimizer.state_dict())
+        elif s.path == "sharded":
+            _, saved, _ = s._server.payloads.gathered(FINAL, s.check_server)
+            optimizer.load_state_dict(assemble_optimizer_state(
+                optimizer, s.shard_layout, s.shard_params, saved))
 
     def _gather(self) -> tuple:
         if self._gathered is None:

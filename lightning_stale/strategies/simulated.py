@@ -211,6 +211,9 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         if self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self._end_epoch()  # the last epoch ended too
         self.server.stop()
+        # The learner's optimizer takes the server's state, as the module its parameters: what
+        # Lightning saves after fit (its checkpoint slots) is the server's.
+        self.optimizers[0].load_state_dict(self.server.core.state.optimizer.state_dict())
         self._final_stats = self.server.stats()
         if self.trace_recorder is not None:
             self.write_trace(self.trace_recorder)

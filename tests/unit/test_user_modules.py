@@ -95,6 +95,14 @@ def test_every_torch_optimizer_steps_as_it_does_alone(engine, name):
     assert [g["lr"] for g in server.param_groups] == [
         g["lr"] for g in expected.configure_optimizers().param_groups
     ]
+    # a checkpoint written after fit holds the server's optimizer state (momentum, moments)
+    trainer.save_checkpoint("after_fit.ckpt")
+    saved = torch.load("after_fit.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    held = server.state_dict()["state"]
+    assert held and saved.keys() == held.keys()
+    for index, values in held.items():
+        for key, value in values.items():
+            assert torch.equal(torch.as_tensor(saved[index][key]), torch.as_tensor(value)), (index, key)
 
 
 def test_sparse_adam_on_a_sparse_embedding(engine):
@@ -152,7 +160,10 @@ def test_an_optimizer_that_cannot_be_rebuilt_with_a_scheduler(engine):
     server = trainer.strategy.core.state.optimizer
     assert type(server) is um.Scheduled and server.milestones == [2]
     assert_same_parameters(module, reference)  # the server's copy stepped, not the learner's
-    assert trainer.optimizers[0].state_dict()["state"] == {}  # the learner's never steps
+    # the learner's never steps; after fit it holds the server's state (what checkpoints save)
+    learner, held = trainer.optimizers[0].state_dict()["state"], server.state_dict()["state"]
+    assert learner.keys() == held.keys() and all(
+        torch.equal(learner[i]["momentum_buffer"], held[i]["momentum_buffer"]) for i in held)
 
 
 @pytest.mark.parametrize(
