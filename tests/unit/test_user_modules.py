@@ -17,7 +17,7 @@ from pytorch_lightning import Callback
 import user_modules as um
 from engines import fit
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
 
 OPTIMIZERS = sorted(
     n
@@ -34,12 +34,6 @@ OPTIONS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_optimizer(name, lr=0.05):

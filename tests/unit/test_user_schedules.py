@@ -20,15 +20,9 @@ from pytorch_lightning.loggers import CSVLogger
 import user_modules as um
 from engines import QUIET, books_balance, fit, server_lr
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class LearningRates(Callback):
