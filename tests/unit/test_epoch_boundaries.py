@@ -57,6 +57,7 @@ def test_boring_models_64_batch_epochs_keep_the_theorys_time_per_update(variant,
     assert ratio == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.slow
 def test_an_epoch_of_little_more_than_one_round_keeps_the_theorys_time_per_update():
     stats, ratio = interval_against_theory(ShortEpochs(), "sync", None, updates=1500, seed=1)
     assert stats["epochs"] >= 200

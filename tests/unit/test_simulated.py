@@ -211,6 +211,7 @@ ITERATION_TIME_CASES = [("sync", None, 2000), ("k_sync", 2, 4000), ("k_batch_syn
                         ("async", None, 8000), ("k_async", 2, 4000), ("k_batch_async", 2, 4000)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,k,updates", ITERATION_TIME_CASES)
 def test_mean_update_interval_matches_theory(variant, k, updates):
     delay = Exponential(1.0, seed=0)
