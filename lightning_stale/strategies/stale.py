@@ -60,6 +60,12 @@ class _LocalCollectives(Callback):
     def on_train_epoch_end(self, *args: Any) -> None:
         self.strategy._local_collectives = self.strategy._lost_learner
 
+    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+        # First among the callbacks: the server stops before the others' hooks read its state
+        # (OnExceptionCheckpoint), and no peer can be counted on to join a collective now.
+        self.strategy._local_collectives = True
+        self.strategy._report_failure(exception)
+
 
 class StaleStrategy(ServerStrategyMixin):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
@@ -106,8 +112,11 @@ class StaleStrategy(ServerStrategyMixin):
     while validation and checkpoints see the server's parameters. A push is one optimizer step
     (``accumulate_grad_batches`` micro-batches), its gradient clipped and, in ``16-mixed``,
     unscaled by the learner; an overflowing one is dropped and counted as "overflow". Any
-    exception or SIGTERM/SIGINT on any process ends every process with a non-zero status, the
-    cause named. ``trainer.strategy.stats`` on global rank 0 holds the server's counters.
+    exception on any process ends every process at once with a non-zero status, the cause named;
+    SIGTERM or SIGINT on any process stops every learner through the goodbye protocol, then
+    raises `RunInterrupted` on every process (``on_exception`` hooks run; non-zero status). The
+    README's "Faults" section has the whole fault model. ``trainer.strategy.stats`` on global
+    rank 0 holds the server's counters (after a failure, those at the failure).
     """
 
     strategy_name = "stale"
@@ -147,6 +156,7 @@ class StaleStrategy(ServerStrategyMixin):
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
         self._watchdog: Watchdog | None = None
+        self._trap: SignalTrap | None = None
         self._failure_raised = False
         self._samplers: list[IndependentBatchSampler] = []
         self._pushes_per_epoch = 0
@@ -286,18 +296,24 @@ class StaleStrategy(ServerStrategyMixin):
                                           server_timeout=self.server_timeout)
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
-        trap = SignalTrap(self.global_rank)
+        trap = self._trap = SignalTrap(self.global_rank)
         trap.install()
         self._undo.append(trap.restore)
-        self._watchdog = Watchdog(trap, report=lambda reason: learner.abort(reason, interrupted=True),
-                                  failure=self._known_failure, acknowledged=lambda: self._failure_raised)
+        self._watchdog = Watchdog(trap, report=learner.interrupt, failure=self._known_failure,
+                                  acknowledged=lambda: self._failure_raised)
         self._watchdog.start()
         learner.wait_for_parameters()
 
     def _known_failure(self) -> str | None:
-        if self._server is not None and self._server.error:
-            return self._server.error
-        return self._learner.failure if self._learner is not None else None
+        """Why this process must end soon, as far as it knows: the run failed, or a signal is
+        stopping it (the watchdog gives the training thread its grace period from then)."""
+        server, learner = self._server, self._learner
+        if server is not None and (server.error or server.interruption):
+            return server.error or server.interruption
+        if learner is None:
+            return None
+        return (learner.failure or learner.endpoint.interrupted
+                or (self._trap.reason if self._trap is not None else None))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -307,7 +323,7 @@ class StaleStrategy(ServerStrategyMixin):
         self._batch_samples += extract_batch_size(batch)  # a push counts all its micro-batches
         if trainer.current_epoch > self._epoch:  # an epoch's end is over: training goes on
             self._epoch = trainer.current_epoch
-            self._lost_learner |= self._learner.dead_learners > 0
+            self._note_dead_learners(trainer)
             if self._server is not None:
                 self._server.resume({k: float(v) for k, v in trainer.callback_metrics.items()})
             self._guarded(self._learner.resume)
@@ -332,12 +348,26 @@ class StaleStrategy(ServerStrategyMixin):
                           "overflow" if overflow else None)
             self.minibatch_times.append(self._learner.last_x)  # X, for MiniBatchTimer
         self._batch_samples = 0
+        self._note_dead_learners(trainer)  # before Lightning decides to validate
         set_global_step(trainer, max(self._learner.version, 0))
         if self._learner.stopped:
             trainer.should_stop = True
         if self._server is not None and self._server.core.state.schedulers_monitor_per_update:
             self._server.report_metrics({k: float(v) for k, v in trainer.callback_metrics.items()})
         return loss
+
+    def _note_dead_learners(self, trainer) -> None:
+        """A learner died (``on_learner_failure="continue"``): the default process group lost a
+        member, so for the rest of this fit Lightning's collectives are answered locally and
+        validation is skipped (its metrics would be reduced with the dead learner, torchmetrics'
+        by torch.distributed directly)."""
+        if self._lost_learner or not self._learner.dead_learners:
+            return
+        self._lost_learner = self._local_collectives = True
+        if trainer.limit_val_batches:
+            self.patch(trainer, "limit_val_batches", 0)
+            log.warning("StaleStrategy: a learner died; validation is skipped for the rest of this fit "
+                        "(the default process group lost a member)")
 
     def _guarded(self, fn, *args):
         try:
@@ -349,15 +379,22 @@ class StaleStrategy(ServerStrategyMixin):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self._report_failure(exception)
+
+    def _report_failure(self, exception: BaseException) -> None:
+        """This process's exception ends the run: the server hears it (once) and, on rank 0,
+        stops deciding before the ``on_exception`` hooks read its state."""
         self._failure_raised = True
         learner = self._learner
         if learner is None or isinstance(exception, (ServerFailed, RunInterrupted)) or learner.failure:
-            return  # the failure came from elsewhere: everyone knows already
+            return  # the failure came from elsewhere, or was reported: everyone knows already
         reason = f"learner {self.global_rank} failed: {type(exception).__name__}: {exception}"
         try:
             learner.abort(reason)
         except Exception as exc:  # noqa: BLE001 - the original error matters more
             log.warning("could not tell the server that %s: %s", reason, exc)
+        if self._server is not None:
+            self._server.join(2.0)
 
     @override
     def on_train_end(self) -> None:
@@ -371,25 +408,35 @@ class StaleStrategy(ServerStrategyMixin):
         if self._watchdog is not None:
             self._watchdog.stop()
         learner.close(self.shutdown_timeout)
-        if self._server is None:
-            return
-        if not self._server.join(self.shutdown_timeout):
-            raise ServerFailed(f"the parameter server did not finish within {self.shutdown_timeout} s")
-        stuck = self._server.endpoint.join(self.shutdown_timeout)
-        if stuck:
-            raise ServerFailed(f"server threads still running after shutdown: {stuck}")
-        if self._server.error:
-            raise (RunInterrupted if self._server.interrupted else ServerFailed)(self._server.error)
-        self._collect_stats()
+        if self._server is not None:
+            if not self._server.join(self.shutdown_timeout):
+                raise ServerFailed(f"the parameter server did not finish within {self.shutdown_timeout} s")
+            stuck = self._server.endpoint.join(self.shutdown_timeout)
+            if stuck:
+                raise ServerFailed(f"server threads still running after shutdown: {stuck}")
+            if self._server.error:
+                raise (RunInterrupted if self._server.interrupted else ServerFailed)(self._server.error)
+            self._collect_stats()
+        if learner.interrupted:  # a signal stopped training: everyone left, the run did not finish
+            self._failure_raised = True
+            raise RunInterrupted(f"{learner.interrupted}: training stopped before its end (every "
+                                 "learner left through the shutdown protocol)")
 
-    def _collect_stats(self) -> None:
+    def _collect_stats(self, unannounced: Learner | None = None) -> None:
+        """The final counters, and the trace of the delays drawn (written atomically). After a
+        normal end the trace holds every learner's delays (from their goodbyes); after a failure
+        (``unannounced``: rank 0's learner, which said no goodbye) it holds rank 0's delays and
+        those of learners that had said goodbye, not the others'."""
         server = self._server
-        reports = server.learner_reports
+        reports = {r: (m.payload, m.cancelled) for r, m in server.learner_reports.items()}
+        if unannounced is not None and unannounced.rank not in reports:
+            delays = torch.tensor(unannounced.delays, dtype=torch.float64) if unannounced.delays else None
+            reports[unannounced.rank] = (delays, unannounced.cancelled)
         stats = server.core.stats()
-        stats["computations_cancelled"] = sum(m.cancelled for m in reports.values())
+        stats["computations_cancelled"] = sum(cancelled for _, cancelled in reports.values())
         recorder = TraceRecorder()
         for learner in sorted(reports):
-            payload = reports[learner].payload
+            payload = reports[learner][0]
             for value in ([] if payload is None else payload.tolist()):
                 recorder.record(learner, value)
         path = self.write_trace(recorder)
@@ -457,7 +504,14 @@ class StaleStrategy(ServerStrategyMixin):
             failed = self._learner is not None
             self._learner = None
             if failed and self._server is not None:
-                self._server.endpoint.join(2.0)  # let every learner hear why (its ABORT)
+                try:  # the counters and the delays drawn so far
+                    self._collect_stats(unannounced=learner)
+                except Exception as exc:  # noqa: BLE001 - the original error matters more
+                    log.warning("StaleStrategy: could not write the trace of the failed run: %s", exc)
+                # every learner hears why (its ABORT), and the receivers of learners that leave
+                # end before the process exits (exiting with one blocked in a gloo receive was
+                # seen to abort the process: "terminate called without an active exception")
+                self._server.endpoint.join(2.0)
             if self._server_group is not None and not failed:
                 # (a group whose connections broke is left to the process's exit: destroying
                 # it under a thread blocked in a receive aborts the process)

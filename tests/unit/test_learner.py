@@ -230,6 +230,33 @@ def test_an_interruption_raises_run_interrupted():
         step(learner)
 
 
+def test_an_interruption_announced_by_the_server_is_no_failure_the_learner_leaves_cleanly():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.INTERRUPT, error="SIGTERM on rank 0")
+    stop = Message(Kind.STOP, version=0, payload=torch.zeros(2))
+    threading.Timer(0.2, endpoint.inbox.put, [stop]).start()  # the server's STOP follows
+    step(learner)  # hears why, keeps waiting, then stops: nothing raised
+    assert learner.stopped and learner.interrupted == "SIGTERM on rank 0" and learner.failure is None
+    learner.close(timeout=5.0)
+    assert endpoint.pushed[-1].kind == Kind.BYE  # the goodbye protocol, as at a normal end
+
+
+def test_interrupt_asks_the_server_to_stop_the_run():
+    learner, endpoint, _ = make_learner()
+    learner.interrupt("SIGTERM on rank 1")
+    (message,) = endpoint.pushed
+    assert message.kind == Kind.INTERRUPT and bytes(message.payload.tolist()).decode() == "SIGTERM on rank 1"
+    assert learner.failure is None
+
+
+def test_abort_is_sent_once_and_becomes_the_learners_failure():
+    learner, endpoint, _ = make_learner()
+    learner.abort("learner 1 failed: ValueError: boom")
+    learner.abort("learner 1 failed: again")  # the server no longer listens: nothing is sent
+    assert [m.kind for m in endpoint.pushed] == [Kind.ABORT]
+    assert learner.failure == "learner 1 failed: ValueError: boom"
+
+
 def test_a_silent_server_is_taken_for_dead():
     learner, endpoint, _ = make_learner(server_timeout=0.3)
     start = time.monotonic()

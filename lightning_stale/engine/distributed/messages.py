@@ -46,6 +46,10 @@ class Kind(IntEnum):
     EPOCH = 7  # server -> learner: an epoch ended; payload = the parameters to validate
     ABORT = 8  # either way: the run failed or was interrupted; payload = the reason (utf-8)
     HEARTBEAT = 9  # server -> learner: the server is alive (sent when it has nothing else to say)
+    # either way: a signal (SIGTERM, SIGINT) asks to stop the run; payload = the reason (utf-8).
+    # Learner -> server: this process got it; server -> learner: sent just before STOP, so that
+    # every learner leaves through the goodbye protocol and then reports the interruption.
+    INTERRUPT = 10
 
 
 class Flag(IntEnum):
@@ -74,8 +78,8 @@ class Message:
         age: downlink: seconds from the arrival of the push this message answers (the paper's
             instant of the update or cancellation) to sending it: the server's own time.
         payload: a flat tensor, or None.
-        error: FAILED, ABORT: what broke (travels as the ABORT's payload); PUSH with UNUSABLE:
-            the drop reason.
+        error: FAILED, ABORT, INTERRUPT: what broke or which signal stopped the run (travels
+            as the payload); PUSH with UNUSABLE: the drop reason.
         caused_at: server side: ``time.monotonic()`` of the arrival ``age`` counts from.
         received_at: ``time.monotonic()`` when the receiving side got it.
     """
@@ -138,7 +142,7 @@ def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, in
 
 
 def text_payload(text: str) -> Tensor:
-    """A reason as an ABORT's payload."""
+    """A reason as the payload of an ABORT or an INTERRUPT."""
     return torch.frombuffer(bytearray(text.encode("utf-8", "replace")), dtype=torch.uint8)
 
 
