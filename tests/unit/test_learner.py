@@ -203,6 +203,21 @@ def test_a_mini_batch_started_after_the_epoch_end_is_discarded_and_counted():
     assert len(endpoint.pushed) == 1  # the carried one
 
 
+def test_only_the_epoch_message_ends_an_epoch_not_the_refresh_sent_before_it():
+    """The update that ends an epoch refreshes everyone (sync family) with the new epoch count,
+    then sends the epoch's end: an epoch ended on the refresh would leave the learner paused in
+    the next epoch, with no end in sight, once the epoch's own message arrived."""
+    learner, endpoint, _ = make_learner(waits_for_answer=False)  # a K-batch-sync learner
+    endpoint.inbox.put(Message(Kind.PARAMS, version=1, epoch=1, payload=torch.zeros(2)))
+    step(learner)  # the refresh cancels this mini-batch; the epoch goes on
+    assert not learner.epoch_over(0) and not learner.paused
+    endpoint.inbox.put(epoch_end(epoch=1))
+    step(learner)
+    assert learner.paused and learner.epoch_over(0)
+    learner.resume()
+    assert not learner.paused and not learner.epoch_over(1)
+
+
 def test_validation_runs_on_the_servers_parameters_then_training_on_the_learners():
     learner, endpoint, module = make_learner()
     endpoint.inbox.put(epoch_end(payload=(7.0, 8.0)))

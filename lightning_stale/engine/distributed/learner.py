@@ -253,9 +253,12 @@ class Learner:
             if m.kind == Kind.INTERRUPT:  # the server's STOP follows
                 self.interrupted = self.interrupted or m.error
                 continue
-            self.server_epochs = max(self.server_epochs, m.epoch)
             self.dead_learners = max(self.dead_learners, m.dead)
             if m.kind == Kind.EPOCH:
+                # Only the epoch's own message ends it, and pauses the learner: the refreshes sent
+                # just before it carry the new count too, and an epoch ended on one of them would
+                # be followed by this message in the next epoch, pausing the learner for good.
+                self.server_epochs = max(self.server_epochs, m.epoch)
                 self._validation_state = m.payload
                 if self.paused_at is None:
                     self.paused_at = time.monotonic()
