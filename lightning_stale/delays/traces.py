@@ -198,16 +198,19 @@ class TraceRecorder:
         return len(self.rows)
 
     def write(self, path: str | os.PathLike) -> Path:
-        """Write the trace (format in the module docstring) and return its path."""
+        """Write the trace (format in the module docstring) and return its path. The file is
+        replaced atomically: a reader never sees a partial trace, even if the process dies."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             rows = list(self.rows)
-        with path.open("w", newline="") as handle:
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with partial.open("w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(TRACE_HEADER)
             # repr of a float round-trips exactly, so Trace replays the very same values.
             writer.writerows((learner, index, repr(delay)) for learner, index, delay in rows)
+        os.replace(partial, path)
         return path
 
     def __getstate__(self) -> dict:

@@ -61,7 +61,9 @@ class WallClockLogger(Callback):
     Rows go to every logger in ``trainer.loggers`` with ``step=update`` (none configured: memory
     only) and are kept in ``self.rows`` (list of dicts keyed by the metric names) on global rank
     0. When a logger is configured, ``wallclock.csv`` is written into its log directory at train
-    end with the columns of ``METRIC_NAMES``, one line per row. ``rows`` restart at every fit.
+    end, and also when fit ends with an exception (the rows up to the failure, the server's
+    updates drained first), with the columns of ``METRIC_NAMES``, one line per row; the file is
+    replaced atomically, so it is never seen half-written. ``rows`` restart at every fit.
     """
 
     def __init__(self) -> None:
@@ -75,6 +77,10 @@ class WallClockLogger(Callback):
         self._loss_since_step = 0.0
 
     # ---------------------------------------------------------------- hooks
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._train_start = None  # a fit failing before training writes no rows of an old one
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.rows = []
@@ -111,6 +117,13 @@ class WallClockLogger(Callback):
         self._validation_start = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._save(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._train_start is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._save(trainer)
+
+    def _save(self, trainer: Trainer) -> None:
         if not trainer.is_global_zero:
             return
         if _is_engine(trainer.strategy):
@@ -183,10 +196,12 @@ class WallClockLogger(Callback):
 
     def _write_csv(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", newline="") as f:
+        partial = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        with open(partial, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(METRIC_NAMES))
             writer.writeheader()
             writer.writerows(self.rows)
+        os.replace(partial, path)
 
 
 def _is_engine(strategy: Any) -> bool:

@@ -5,7 +5,9 @@ Three pieces, each undone in the strategy's teardown:
 * `SignalTrap` replaces Lightning's SIGTERM handler (which broadcasts a flag on the default
   process group from inside the handler: learners running at their own pace cannot join that
   collective, so the process hangs) and Python's SIGINT default. The handler only records the
-  signal; the `Watchdog` reports it to the server, which stops every learner.
+  signal; the `Watchdog` reports it to the server, which stops every learner through the goodbye
+  protocol, after which every process raises `RunInterrupted` (Lightning's ``on_exception``
+  hooks run, and the exit status is non-zero).
 * `Watchdog`, a thread per process, reports a trapped signal, and ends the process when the run
   has failed but the main thread cannot notice (stuck in a collective with a dead or frozen
   peer, or in a very long step): after ``grace`` seconds without the main thread raising, and
@@ -62,8 +64,10 @@ class Watchdog(threading.Thread):
 
     Args:
         trap: the signal trap of this process.
-        report: tells the server that this process was interrupted (called with the reason).
-        failure: the run's failure as this process knows it (None while all is well).
+        report: tells the server that this process was interrupted (called with the reason, on
+            a thread of its own: a report to a frozen server must not block the watchdog).
+        failure: the run's failure (or interruption) as this process knows it (None while all
+            is well).
         acknowledged: whether the main thread has raised the failure.
     """
 
@@ -73,18 +77,16 @@ class Watchdog(threading.Thread):
         super().__init__(daemon=True, name="stale-watchdog")
         self.trap, self.report, self.failure, self.acknowledged = trap, report, failure, acknowledged
         self.grace, self.exit_grace = grace, exit_grace
-        self._stop = threading.Event()
+        self._done = threading.Event()  # (not `_stop`: a method of Thread)
 
     def run(self) -> None:
         reported = False
         failed_at = acknowledged_at = None
-        while not self._stop.wait(0.1):
+        while not self._done.wait(0.1):
             if self.trap.reason is not None and not reported:
                 reported = True
-                try:
-                    self.report(self.trap.reason)
-                except Exception as exc:  # noqa: BLE001 - the server may be gone already
-                    log.warning("could not report %s to the server: %s", self.trap.reason, exc)
+                threading.Thread(target=self._report, args=(self.trap.reason,), daemon=True,
+                                 name="stale-signal-report").start()
             reason = self.failure()
             if reason is None:
                 continue
@@ -97,8 +99,14 @@ class Watchdog(threading.Thread):
             elif now - failed_at > self.grace:
                 self._exit(reason, "the training thread cannot stop (blocked in a collective or a step)")
 
+    def _report(self, reason: str) -> None:
+        try:
+            self.report(reason)
+        except Exception as exc:  # noqa: BLE001 - the server may be gone already
+            log.warning("could not report %s to the server: %s", reason, exc)
+
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
 
     @staticmethod
     def _exit(reason: str, why: str) -> None:

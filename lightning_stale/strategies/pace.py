@@ -30,6 +30,12 @@ class _Pace(Callback):
     def on_train_epoch_end(self, *args: Any) -> None:
         self.strategy.local_collectives = self.strategy.lost_learner
 
+    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+        # First among the callbacks: the strategy stops its server before the others' hooks read
+        # its state (OnExceptionCheckpoint), and no peer can be counted on to join a collective.
+        self.strategy.local_collectives = True
+        self.strategy.fit_failed(exception)
+
 
 class OwnPaceCollectives:
     """Mixin for a DDP-style strategy: collectives are local while learners are out of step."""
@@ -43,6 +49,9 @@ class OwnPaceCollectives:
         trainer.callbacks.insert(0, pace)
         self.lost_learner = False
         return lambda: trainer.callbacks.remove(pace)
+
+    def fit_failed(self, exception: BaseException) -> None:
+        """The fit raised ``exception`` on this process (before the other callbacks hear it)."""
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
         return tensor if self.local_collectives else super().reduce(tensor, group, reduce_op)

@@ -92,8 +92,11 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
     while validation and checkpoints see the server's parameters. A push is one optimizer step
     (``accumulate_grad_batches`` micro-batches), its gradient clipped and, in ``16-mixed``,
     unscaled by the learner; an overflowing one is dropped and counted as "overflow". Any
-    exception or SIGTERM/SIGINT on any process ends every process with a non-zero status, the
-    cause named. ``trainer.strategy.stats`` on global rank 0 holds the server's counters.
+    exception on any process ends every process at once with a non-zero status, the cause named;
+    SIGTERM or SIGINT on any process stops every learner through the goodbye protocol, then
+    raises `RunInterrupted` on every process (``on_exception`` hooks run; non-zero status). The
+    README's "Faults" section has the whole fault model. ``trainer.strategy.stats`` on global
+    rank 0 holds the server's counters (after a failure, those at the failure).
     """
 
     strategy_name = "stale"
@@ -133,6 +136,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
         self._watchdog: Watchdog | None = None
+        self._trap: SignalTrap | None = None
         self._failure_raised = False
         self._samplers: list[IndependentBatchSampler] = []
         self._pushes_per_epoch = 0
@@ -259,18 +263,24 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._checkpoint = ServerCheckpoint(self)
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
-        trap = SignalTrap(self.global_rank)
+        trap = self._trap = SignalTrap(self.global_rank)
         trap.install()
         self._undo.append(trap.restore)
-        self._watchdog = Watchdog(trap, report=lambda reason: learner.abort(reason, interrupted=True),
-                                  failure=self._known_failure, acknowledged=lambda: self._failure_raised)
+        self._watchdog = Watchdog(trap, report=learner.interrupt, failure=self._known_failure,
+                                  acknowledged=lambda: self._failure_raised)
         self._watchdog.start()
         learner.wait_for_parameters()
 
     def _known_failure(self) -> str | None:
-        if self._server is not None and self._server.error:
-            return self._server.error
-        return self._learner.failure if self._learner is not None else None
+        """Why this process must end soon, as far as it knows: the run failed, or a signal is
+        stopping it (the watchdog gives the training thread its grace period from then)."""
+        server, learner = self._server, self._learner
+        if server is not None and (server.error or server.interruption):
+            return server.error or server.interruption
+        if learner is None:
+            return None
+        return (learner.failure or learner.endpoint.interrupted
+                or (self._trap.reason if self._trap is not None else None))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -280,7 +290,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._batch_samples += extract_batch_size(batch)  # a push counts all its micro-batches
         if trainer.current_epoch > self._epoch:  # an epoch's end is over: training goes on
             self._epoch = trainer.current_epoch
-            self.lost_learner |= self._learner.dead_learners > 0
+            self._note_dead_learners(trainer)
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if self._server is not None:
                 self._server.resume(metrics)
@@ -317,6 +327,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
                         buffer.copy_(saved)
             self.minibatch_times.append(self._learner.last_x)  # X, for MiniBatchTimer
         self._batch_samples = 0
+        self._note_dead_learners(trainer)  # before Lightning decides to validate
         set_global_step(trainer, max(self._learner.version, 0))
         if self._learner.stopped:
             trainer.should_stop = True
@@ -339,6 +350,19 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         if self._server is not None and self._server.error:
             raise (RunInterrupted if self._server.interrupted else ServerFailed)(self._server.error)
 
+    def _note_dead_learners(self, trainer) -> None:
+        """A learner died (``on_learner_failure="continue"``): the default process group lost a
+        member, so for the rest of this fit Lightning's collectives are answered locally and
+        validation is skipped (its metrics would be reduced with the dead learner, torchmetrics'
+        by torch.distributed directly)."""
+        if self.lost_learner or not self._learner.dead_learners:
+            return
+        self.lost_learner = self.local_collectives = True
+        if trainer.limit_val_batches:
+            self.patch(trainer, "limit_val_batches", 0)
+            log.warning("StaleStrategy: a learner died; validation is skipped for the rest of this fit "
+                        "(the default process group lost a member)")
+
     def _guarded(self, fn, *args):
         try:
             return fn(*args)
@@ -349,15 +373,23 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self.fit_failed(exception)
+
+    @override
+    def fit_failed(self, exception: BaseException) -> None:
+        """This process's exception ends the run: the server hears it (once) and, on rank 0,
+        stops deciding before the ``on_exception`` hooks read its state."""
         self._failure_raised = True
         learner = self._learner
         if learner is None or isinstance(exception, (ServerFailed, RunInterrupted)) or learner.failure:
-            return  # the failure came from elsewhere: everyone knows already
+            return  # the failure came from elsewhere, or was reported: everyone knows already
         reason = f"learner {self.global_rank} failed: {type(exception).__name__}: {exception}"
         try:
             learner.abort(reason)
         except Exception as exc:  # noqa: BLE001 - the original error matters more
             log.warning("could not tell the server that %s: %s", reason, exc)
+        if self._server is not None:
+            self._server.join(2.0)
 
     @override
     def on_train_end(self) -> None:
@@ -390,6 +422,10 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         stuck = learner.exchange.close(self.shutdown_timeout)
         if stuck:
             raise ServerFailed(f"threads still running after shutdown: {stuck}")
+        if learner.interrupted:  # a signal stopped training: everyone left, the run did not finish
+            self._failure_raised = True
+            raise RunInterrupted(f"{learner.interrupted}: training stopped before its end (every "
+                                 "learner left through the shutdown protocol)")
 
     def _finish_server(self) -> None:
         if not self._server.join(self.shutdown_timeout):
@@ -401,15 +437,22 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._checkpoint.finish()
         self._collect_stats()
 
-    def _collect_stats(self) -> None:
+    def _collect_stats(self, unannounced: Learner | None = None) -> None:
+        """The final counters, and the trace of the delays drawn (written atomically). After a
+        normal end the trace holds every learner's delays (from their goodbyes); after a failure
+        (``unannounced``: rank 0's learner, which said no goodbye) it holds rank 0's delays and
+        those of learners that had said goodbye, not the others'."""
         server = self._server
-        reports = server.learner_reports
+        reports = {r: (m.payload, m.cancelled) for r, m in server.learner_reports.items()}
+        if unannounced is not None and unannounced.rank not in reports:
+            delays = torch.tensor(unannounced.delays, dtype=torch.float64) if unannounced.delays else None
+            reports[unannounced.rank] = (delays, unannounced.cancelled)
         stats = server.core.stats()
         stats["server_path"] = self.path
-        stats["computations_cancelled"] = sum(m.cancelled for m in reports.values())
+        stats["computations_cancelled"] = sum(cancelled for _, cancelled in reports.values())
         recorder = TraceRecorder()
         for learner in sorted(reports):
-            payload = reports[learner].payload
+            payload = reports[learner][0]
             for value in ([] if payload is None else payload.tolist()):
                 recorder.record(learner, value)
         path = self.write_trace(recorder)
@@ -463,7 +506,14 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
             failed = self._learner is not None
             self._learner = None
             if failed and self._server is not None:
-                self._server.endpoint.join(2.0)  # let every learner hear why (its ABORT)
+                try:  # the counters and the delays drawn so far
+                    self._collect_stats(unannounced=learner)
+                except Exception as exc:  # noqa: BLE001 - the original error matters more
+                    log.warning("StaleStrategy: could not write the trace of the failed run: %s", exc)
+                # every learner hears why (its ABORT), and the receivers of learners that leave
+                # end before the process exits (exiting with one blocked in a gloo receive was
+                # seen to abort the process: "terminate called without an active exception")
+                self._server.endpoint.join(2.0)
             if self._server_group is not None and not failed:
                 # (a group whose connections broke is left to the process's exit: destroying
                 # it under a thread blocked in a receive aborts the process)

@@ -203,6 +203,21 @@ def test_a_mini_batch_started_after_the_epoch_end_is_discarded_and_counted():
     assert len(endpoint.pushed) == 1  # the carried one
 
 
+def test_only_the_epoch_message_ends_an_epoch_not_the_refresh_sent_before_it():
+    """The update that ends an epoch refreshes everyone (sync family) with the new epoch count,
+    then sends the epoch's end: an epoch ended on the refresh would leave the learner paused in
+    the next epoch, with no end in sight, once the epoch's own message arrived."""
+    learner, endpoint, _ = make_learner(waits_for_answer=False)  # a K-batch-sync learner
+    endpoint.inbox.put(Message(Kind.PARAMS, version=1, epoch=1, payload=torch.zeros(2)))
+    step(learner)  # the refresh cancels this mini-batch; the epoch goes on
+    assert not learner.epoch_over(0) and not learner.paused
+    endpoint.inbox.put(epoch_end(epoch=1))
+    step(learner)
+    assert learner.paused and learner.epoch_over(0)
+    learner.resume()
+    assert not learner.paused and not learner.epoch_over(1)
+
+
 def test_validation_runs_on_the_servers_parameters_then_training_on_the_learners():
     learner, endpoint, module = make_learner()
     endpoint.inbox.put(epoch_end(payload=(7.0, 8.0)))
@@ -228,6 +243,33 @@ def test_an_interruption_raises_run_interrupted():
     endpoint.answer = Message(Kind.ABORT, flags=Flag.INTERRUPTED, error="SIGTERM on rank 3")
     with pytest.raises(RunInterrupted, match="SIGTERM on rank 3"):
         step(learner)
+
+
+def test_an_interruption_announced_by_the_server_is_no_failure_the_learner_leaves_cleanly():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.INTERRUPT, error="SIGTERM on rank 0")
+    stop = Message(Kind.STOP, version=0, payload=torch.zeros(2))
+    threading.Timer(0.2, endpoint.inbox.put, [stop]).start()  # the server's STOP follows
+    step(learner)  # hears why, keeps waiting, then stops: nothing raised
+    assert learner.stopped and learner.interrupted == "SIGTERM on rank 0" and learner.failure is None
+    learner.close(timeout=5.0)
+    assert endpoint.pushed[-1].kind == Kind.BYE  # the goodbye protocol, as at a normal end
+
+
+def test_interrupt_asks_the_server_to_stop_the_run():
+    learner, endpoint, _ = make_learner()
+    learner.interrupt("SIGTERM on rank 1")
+    (message,) = endpoint.pushed
+    assert message.kind == Kind.INTERRUPT and bytes(message.payload.tolist()).decode() == "SIGTERM on rank 1"
+    assert learner.failure is None
+
+
+def test_abort_is_sent_once_and_becomes_the_learners_failure():
+    learner, endpoint, _ = make_learner()
+    learner.abort("learner 1 failed: ValueError: boom")
+    learner.abort("learner 1 failed: again")  # the server no longer listens: nothing is sent
+    assert [m.kind for m in endpoint.pushed] == [Kind.ABORT]
+    assert learner.failure == "learner 1 failed: ValueError: boom"
 
 
 def test_a_silent_server_is_taken_for_dead():

@@ -182,6 +182,27 @@ def test_a_learner_interrupted_by_a_signal_stops_everyone_as_interrupted():
     assert {m.flags for _, m in endpoint.take()} == {Flag.INTERRUPTED}
 
 
+def test_a_signal_on_a_learner_stops_everyone_through_the_goodbye_protocol():
+    server, endpoint = make_server("k_async", k=2)
+    run_loop(server)
+    server.events.put(Message(Kind.INTERRUPT, 1, error="SIGTERM on rank 1"))
+    for learner in range(4):
+        server.events.put(Message(Kind.BYE, learner))
+    assert server.join(5.0) and server.error is None and server.interruption == "SIGTERM on rank 1"
+    sent = endpoint.take()  # every learner hears why, then stops; no abort
+    assert [(l, m.kind) for l, m in sent] == [(l, Kind.INTERRUPT) for l in range(4)] + [(l, Kind.STOP) for l in range(4)]
+    assert payload_text(sent[2][1].payload) == "SIGTERM on rank 1"
+    assert server.learner_reports.keys() == {0, 1, 2, 3}  # goodbyes (with the delays) collected
+
+
+def test_a_signal_after_training_stopped_is_moot():
+    server, endpoint = make_server("async", max_updates=1)
+    push(server, 1, 0)  # the last update: everyone was told to stop
+    endpoint.take()
+    server._handle(Message(Kind.INTERRUPT, 2, error="SIGINT on rank 2"))
+    assert server.interruption is None and server.error is None and endpoint.take() == []
+
+
 def test_an_exception_in_the_server_thread_aborts_the_run_naming_it():
     server, endpoint = make_server("async")
 
@@ -233,11 +254,12 @@ def test_a_large_payload_follows_its_header_without_a_copy():
     assert (numel, dtype, inline) == (payload.numel(), torch.float32, False) and decoded.payload is None
 
 
-def test_an_abort_carries_its_reason_as_text():
+@pytest.mark.parametrize("kind", [Kind.ABORT, Kind.INTERRUPT])
+def test_an_abort_or_interrupt_carries_its_reason_as_text(kind):
     reason = "learner 1 failed: ValueError: bad batch — ünïcode"
-    frame, _ = encode(Message(Kind.ABORT, payload=text_payload(reason)))
+    frame, _ = encode(Message(kind, payload=text_payload(reason)))
     decoded, *_ = decode(frame, "learner 1", 1000)
-    assert payload_text(decoded.payload) == reason
+    assert decoded.kind == kind and payload_text(decoded.payload) == reason
 
 
 def test_the_server_endpoint_stamps_pushes_received_and_time_held():

@@ -14,7 +14,10 @@ excluded from every clock. Validation runs on the server's parameters (`enter_va
 
 Failures: an ABORT from the server, a broken connection, or a server silent for longer than
 ``server_timeout`` (heartbeats keep a busy server audible) raise `ServerFailed` (or
-`RunInterrupted` when a signal stopped the run) in the learner's thread.
+`RunInterrupted` when a signal stopped the run) in the learner's thread. A signal is no failure:
+`interrupt` asks the server to stop the run, the server's INTERRUPT (kept in ``interrupted``)
+comes before its STOP, and the learner leaves through the goodbye protocol; the strategy raises
+`RunInterrupted` after it.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ class Learner:
         self.carried: _Carried | None = None
         self._deferred: list[Message] = []  # parameters that arrived during a pause
         self.dead_learners = 0  # learners the server has lost (on_learner_failure="continue")
+        self.interrupted: str | None = None  # the signal that stopped the run, as the server said
         self._validation_state: torch.Tensor | None = None  # the server's, for validation
         self._own_state: torch.Tensor | None = None  # ours, while validating
         self._raised: str | None = None
@@ -196,10 +200,16 @@ class Learner:
             if m.kind in (Kind.FAILED, Kind.ABORT):
                 self._raised = m.error
                 raise (RunInterrupted if m.flags & Flag.INTERRUPTED else ServerFailed)(m.error)
-            self.server_epochs = max(self.server_epochs, m.epoch)
+            if m.kind == Kind.INTERRUPT:  # the server's STOP follows
+                self.interrupted = self.interrupted or m.error
+                continue
             self.dead_learners = max(self.dead_learners, m.dead)
             if m.kind == Kind.EPOCH:
                 self.exchange.resolve(m, self._check_health)
+                # Only the epoch's own message ends it, and pauses the learner: the refreshes sent
+                # just before it carry the new count too, and an epoch ended on one of them would
+                # be followed by this message in the next epoch, pausing the learner for good.
+                self.server_epochs = max(self.server_epochs, m.epoch)
                 self._validation_state = m.payload
                 if self.paused_at is None:
                     self.paused_at = time.monotonic()
@@ -362,8 +372,19 @@ class Learner:
             self._absorb(messages)
         self.endpoint.join(timeout)
 
+    def interrupt(self, reason: str) -> None:
+        """Ask the server to stop the run for everyone (``reason`` names the signal); training
+        then ends through the goodbye protocol."""
+        self.endpoint.push(Message(Kind.INTERRUPT, version=self.version, error=reason,
+                                   payload=text_payload(reason)))
+
     def abort(self, reason: str, interrupted: bool = False) -> None:
-        """Tell the server this learner cannot go on (``reason`` names the error or signal)."""
+        """Tell the server this learner cannot go on (``reason`` names the error or signal);
+        once only: the server stops listening to a learner after its abort, and after it has
+        told the learner about a failure. ``failure`` holds the reason from then on."""
+        if self._raised:
+            return
+        self._raised = reason
         self.endpoint.push(Message(Kind.ABORT, version=self.version, error=reason,
                                    flags=Flag.INTERRUPTED if interrupted else 0,
                                    payload=text_payload(reason)))

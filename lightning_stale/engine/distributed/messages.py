@@ -56,6 +56,10 @@ class Kind(IntEnum):
     SCHEDULE = 15  # server -> owners: step the schedulers; payload = the metrics (JSON)
     GATHER = 16  # server -> owners: send rank 0 your state, for request ``delivery``
     RETIRE = 17  # server -> owners: training is over
+    # either way: a signal (SIGTERM, SIGINT) asks to stop the run; payload = the reason (utf-8).
+    # Learner -> server: this process got it; server -> learner: sent just before STOP, so that
+    # every learner leaves through the goodbye protocol and then reports the interruption.
+    INTERRUPT = 18
 
 
 # What the owner on a rank takes from the server's downlink (the rest is for the learner).
@@ -94,8 +98,8 @@ class Message:
         age: downlink: seconds from the arrival of the push this message answers (the paper's
             instant of the update or cancellation) to sending it: the server's own time.
         payload: a flat tensor, or None.
-        error: FAILED, ABORT: what broke (travels as the ABORT's payload); PUSH with UNUSABLE:
-            the drop reason.
+        error: FAILED, ABORT, INTERRUPT: what broke or which signal stopped the run (travels
+            as the payload); PUSH with UNUSABLE: the drop reason.
         caused_at: server side: ``time.monotonic()`` of the arrival ``age`` counts from.
         received_at: ``time.monotonic()`` when the receiving side got it.
     """
@@ -160,7 +164,7 @@ def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, in
 
 
 def text_payload(text: str) -> Tensor:
-    """A reason as an ABORT's payload."""
+    """A reason as the payload of an ABORT or an INTERRUPT."""
     return torch.frombuffer(bytearray(text.encode("utf-8", "replace")), dtype=torch.uint8)
 
 

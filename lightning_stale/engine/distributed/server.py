@@ -6,10 +6,12 @@ answers out; it never waits for more than the rules ask. Epochs are the server's
 worth of mini-batches has been pushed (all learners together) the server tells every learner,
 with its parameters to validate, and pauses its clock until rank 0's learner resumes training.
 
-Faults: any exception in this thread, a learner's ABORT (its error, or a signal) or a learner
-whose connection breaks ends the run: every learner gets an ABORT naming the cause, and
+Faults: any exception in this thread, a learner's ABORT (its error) or a learner whose
+connection breaks ends the run at once: every learner gets an ABORT naming the cause, and
 ``error`` holds it. With ``on_learner_failure="continue"`` a learner whose connection breaks is
 removed instead (`ServerCore.remove_learner`) and training goes on, where the variant allows.
+A learner's INTERRUPT (a signal on its process) is no failure: every learner is told the reason
+(``interruption``) and then stopped, and leaves through the goodbye protocol as at a normal end.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class ParameterServer:
         self.lock = threading.Lock()  # held while the core changes (checkpoints read it)
         self.error: str | None = None  # why the run ended early
         self.interrupted = False  # a signal ended it (not a failure)
+        self.interruption: str | None = None  # the signal that stopped training (an INTERRUPT)
         self.learner_reports: dict[int, Message] = {}  # BYE messages
         self.endpoint: ServerEndpoint | None = None
         self._thread: threading.Thread | None = None
@@ -160,6 +163,8 @@ class ParameterServer:
             self._stop()  # one learner leaving ends training for all (e.g. early stopping)
         elif event.kind == Kind.ABORT:
             self._abort(event.error, interrupted=bool(event.flags & Flag.INTERRUPTED))
+        elif event.kind == Kind.INTERRUPT:
+            self._interrupt(event.error)
         elif event.kind == Kind.FAILED:
             self._on_broken(event)
 
@@ -225,6 +230,19 @@ class ParameterServer:
                 self.core.stop()
                 self._broadcast_stop()
         self._release_held()  # counted as in flight at the stop
+
+    def _interrupt(self, reason: str) -> None:
+        """A signal on some process: training stops for everyone, each learner told why first
+        (after a stop it is moot: training is over anyway)."""
+        with self.lock:
+            if self.core.stopped:
+                log.warning("%s after training had stopped: ignored", reason)
+                return
+        self.interruption = reason
+        for learner in self.core.rules.alive:
+            self.endpoint.send(learner, Message(Kind.INTERRUPT, learner, error=reason,
+                                                payload=text_payload(reason)))
+        self._stop()
 
     def _abort(self, reason: str, interrupted: bool = False) -> None:
         """The run ends early: every learner is told why."""

@@ -176,7 +176,7 @@ class ServerEndpoint:
                 message = recv(self.group, (UP, UP_DATA), learner, f"learner {learner}",
                                self._max_numel, buffer)
                 message.learner = learner
-                if message.kind == Kind.ABORT:
+                if message.kind in (Kind.ABORT, Kind.INTERRUPT):
                     message.error = payload_text(message.payload)
                 self._received(message)
                 if message.kind in (Kind.BYE, Kind.ABORT):
@@ -224,9 +224,9 @@ class LearnerEndpoint:
             to it come on the same connection, and go there instead of the inbox.
 
     ``last_heard`` is when the server was last heard from (every message counts, heartbeats
-    too), and ``failure`` why the run failed, as soon as the receiving thread knows (an ABORT, a
-    broken connection). Sends are serialised, so another thread may report a failure while the
-    learner pushes.
+    too), ``failure`` why the run failed, as soon as the receiving thread knows (an ABORT, a
+    broken connection), and ``interrupted`` the signal that is stopping the run (an INTERRUPT).
+    Sends are serialised, so another thread may report a failure while the learner pushes.
     """
 
     def __init__(self, rank: int, group, max_numel: int, local_server: ServerEndpoint | None = None,
@@ -237,6 +237,7 @@ class LearnerEndpoint:
         self._send_lock = threading.Lock()
         self.last_heard = time.monotonic()
         self.failure: str | None = None
+        self.interrupted: str | None = None
         self.inbox: queue.Queue = local_server.local_inbox if local_server is not None else queue.Queue()
         self._thread = None
         if local_server is None:
@@ -264,11 +265,14 @@ class LearnerEndpoint:
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
                     message.error = self.failure = payload_text(message.payload)
+                elif message.kind == Kind.INTERRUPT:
+                    message.error = self.interrupted = payload_text(message.payload)
                 (self.owner if message.kind in OWNER_KINDS else self.inbox).put(message)
                 if message.kind in _LAST:
                     return
         except Exception as exc:  # noqa: BLE001 - surfaces in the learner's next wait
-            self.failure = f"receiving from the server failed: {exc}"
+            self.failure = (f"learner {self.rank}: the connection to the server (rank 0) broke, its "
+                            f"process is gone or unreachable: {exc}")
             self.inbox.put(Message(Kind.FAILED, error=self.failure))
 
     def join(self, timeout: float) -> bool:

@@ -1,0 +1,191 @@
+"""One injected fault per launch (run by tests/integration/test_faults.py):
+
+    python faults.py CASE OUT_DIR [CHECKPOINT]
+
+CASE names the fault (see CASES); the fault is injected once every learner is training (each has
+pushed a few gradients) and the server has made FAULT_AT updates. Each process writes into
+OUT_DIR what the test asserts: its pid (``pid_<rank>``) at the start of training, the fault's
+wall-clock time (``fault.json``, by the process that injects it), the exception it ends with
+(``exception_<rank>.json``, from ``on_exception``), whether ``fit`` raised (``end_<rank>.json``:
+the process then exits with status 1) and, on rank 0 once ``fit`` has ended, the server's
+counters, what its checkpoint holds and its learners' exit statuses as far as the launcher knows
+them then (``rank0.json``; it does not wait for them, so as not to delay its own exit).
+Logs (``wallclock.csv``, ``delays.csv``) go to OUT_DIR/logs/version_0, OnExceptionCheckpoint
+writes OUT_DIR/on_exception.ckpt. Case "resume" continues from CHECKPOINT to MAX_STEPS. The
+"continue" cases validate at every epoch's end (short epochs), before and after the death.
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import OnExceptionCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stale import StaleStrategy, WallClockLogger
+from lightning_stale.delays import Exponential
+from lightning_stale.models import MLP, Classifier
+
+CASE, OUT = sys.argv[1], Path(sys.argv[2])
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks on a hang
+FAULT_AT = 15  # server updates before the fault
+MAX_STEPS = 60
+torch.set_num_threads(1)
+
+# case: (rank that injects the fault, the fault, processes, variant, K, strategy options)
+CONTINUE = {"on_learner_failure": "continue"}
+CASES = {
+    "scheduler": (0, "scheduler", 2, "k_async", 1, {}),
+    "optimizer": (0, "optimizer", 2, "k_async", 1, {}),
+    "training_step": (1, "training_step", 2, "k_async", 1, {}),
+    "callback": (0, "callback", 2, "k_async", 1, {}),
+    "sigterm_launcher": (0, signal.SIGTERM, 2, "k_async", 1, {}),
+    "sigterm_child": (1, signal.SIGTERM, 2, "k_async", 1, {}),
+    "sigint_launcher": (0, signal.SIGINT, 2, "k_async", 1, {}),
+    "sigint_child": (1, signal.SIGINT, 2, "k_async", 1, {}),
+    "sigkill_server": (0, signal.SIGKILL, 2, "k_async", 1, {}),
+    "sigstop_server": (0, signal.SIGSTOP, 2, "k_async", 1, {"server_timeout": 3.0}),
+    "continue_k_async": (2, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
+    "continue_k_batch_sync": (2, signal.SIGKILL, 3, "k_batch_sync", 2, CONTINUE),
+    "resume": (None, None, 2, "k_async", 1, {}),
+}
+INJECTOR, FAULT, DEVICES, VARIANT, K, OPTIONS = CASES[CASE]
+armed = False  # the server's own faults (optimizer, scheduler) fire once this is set
+
+
+def write_json(name, value):
+    partial = OUT / f".{name}.tmp"
+    partial.write_text(json.dumps(value, default=str))
+    os.replace(partial, OUT / name)
+
+
+def fault_now(what):
+    write_json("fault.json", {"time": time.time(), "what": what})
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD whose step raises once armed (the server's copy of the optimizer is the one that
+    steps, on the server thread)."""
+
+    def step(self, closure=None):
+        if armed:
+            fault_now("optimizer")
+            raise RuntimeError("optimizer step failed")
+        return super().step(closure)
+
+
+def lr_factor(step):
+    if armed:
+        fault_now("scheduler")
+        raise RuntimeError("scheduler failed")
+    return 1.0
+
+
+class Model(Classifier):
+    def training_step(self, batch, batch_idx):
+        if FAULT == "training_step" and armed:
+            fault_now(FAULT)
+            raise ValueError("boom")
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        if FAULT == "optimizer":
+            return FailingSGD(self.parameters(), lr=0.05)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        if FAULT != "scheduler":
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Inject(pl.Callback):
+    """Writes this process's pid, arms or injects the fault, and records how this process ends."""
+
+    def __init__(self):
+        self.batches = 0
+        self.updates_at_death = None  # rank 0: the server's updates when it lost a learner
+
+    def on_train_start(self, trainer, module):
+        (OUT / f"pid_{trainer.global_rank}").write_text(str(os.getpid()))
+
+    def on_train_batch_end(self, trainer, *args):
+        global armed
+        self.batches += 1
+        core = trainer.strategy.core
+        if core is not None and core.rules.counts.dead_learners and self.updates_at_death is None:
+            self.updates_at_death = core.updates
+        if trainer.global_rank != INJECTOR or armed or not self._ready(trainer):
+            return
+        armed = True
+        if FAULT == "callback":
+            fault_now(FAULT)
+            raise KeyError("callback failed")
+        if isinstance(FAULT, signal.Signals):
+            fault_now(FAULT.name)
+            os.kill(os.getpid(), FAULT)
+
+    def _ready(self, trainer):
+        if trainer.global_step < FAULT_AT or self.batches < 3:
+            return False
+        core = trainer.strategy.core  # on rank 0: wait until every learner is training
+        return core is None or min(core.rules.counts.pushes_per_learner) >= 3
+
+    def on_exception(self, trainer, module, exception):
+        write_json(f"exception_{trainer.global_rank}.json",
+                   {"type": type(exception).__name__, "message": str(exception), "time": time.time()})
+
+
+def main():
+    OUT.mkdir(exist_ok=True)
+    pl.seed_everything(0)
+    data = TensorDataset(torch.randn(20_000, 8), torch.randint(0, 4, (20_000,)))
+    model = Model(MLP((8,), 4, hidden_sizes=(16,)), lr=0.05)
+    strategy = StaleStrategy(VARIANT, K, delay=Exponential(mean=0.01, seed=0), **OPTIONS)
+    wallclock = WallClockLogger()
+    # K = 2 of 3 learners, 8 mini-batches per learner and epoch: an epoch is 12 updates
+    epochs = dict(limit_train_batches=8, limit_val_batches=2) if OPTIONS == CONTINUE else {}
+    trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=MAX_STEPS, strategy=strategy,
+                         logger=CSVLogger(OUT, name="logs", version=0),
+                         callbacks=[Inject(), wallclock, OnExceptionCheckpoint(OUT)],
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **epochs)
+    loaders = [DataLoader(data, batch_size=16)] + ([DataLoader(data, batch_size=16)] if epochs else [])
+    resume = {"ckpt_path": sys.argv[3]} if CASE == "resume" else {}
+    try:
+        trainer.fit(model, *loaders, **resume)
+    except BaseException as exc:
+        write_json(f"end_{trainer.global_rank}.json", {"raised": type(exc).__name__})
+        raise
+    else:
+        write_json(f"end_{trainer.global_rank}.json", {"raised": None})
+    finally:
+        if trainer.global_rank == 0:
+            report(trainer, wallclock, model)
+
+
+def report(trainer, wallclock, model):
+    """Rank 0, once fit has ended: the counters, its learners' exit statuses (None: running), its
+    checkpoint."""
+    statuses = [proc.poll() for proc in getattr(trainer.strategy.launcher, "procs", [])]
+    inject = next(c for c in trainer.callbacks if isinstance(c, Inject))
+    result = {"stats": trainer.strategy.stats, "statuses": statuses, "updates_at_death": inject.updates_at_death,
+              "updates": [int(row["update"]) for row in wallclock.rows],
+              "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}}
+    ckpt = OUT / "on_exception.ckpt"
+    if ckpt.exists() and CASE != "resume":
+        saved = torch.load(ckpt, weights_only=False)
+        server = trainer.strategy.core.state.named_state(model)
+        result["checkpoint"] = {
+            "server": saved["stale_server"],
+            "matches_server": all(torch.equal(saved["state_dict"][name], value) for name, value in server.items())}
+    write_json("rank0.json", result)
+
+
+if __name__ == "__main__":
+    main()

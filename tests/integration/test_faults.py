@@ -1,0 +1,249 @@
+"""Injected faults on real processes: each case is one launch of scripts/faults.py (two CPU
+learners, K-async with K = 1, unless it says otherwise), with the fault injected once every
+learner is training. The README's "Faults" section states the fault model these tests check:
+every process gone within 10 s of the fault, a non-zero exit status, the cause named on every
+rank, the counters balanced, the logs written so far complete, and, for a learner killed under
+``on_learner_failure="continue"``, a run that finishes.
+"""
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from processes import SCRIPTS, books_balance, clean_env
+
+DEADLINE_S = 10.0  # from the fault until every process of the run is gone
+LAUNCH_TIMEOUT_S = 150
+
+
+@dataclass
+class Run:
+    status: int | None  # the launcher's (rank 0's) exit status; None while it is frozen
+    output: str
+    out: Path
+    fault: dict | None  # what was injected, and when (time.time())
+    gone_after: float  # seconds from the fault (or the start) until every process was gone
+    exceptions: dict  # rank -> {"type", "message", "time"}: how each process's fit ended
+    ends: dict  # rank -> {"raised": the exception fit raised, or None}
+    rank0: dict | None  # rank 0's report after fit (see faults.py)
+    frozen_status: dict  # rank -> exit status of the children of a frozen launcher
+
+    def logs(self):
+        return self.out / "logs" / "version_0"
+
+    def tail(self):
+        return self.output[-8000:]  # (after a hang: every thread's stack)
+
+
+def _proc_state(pid):
+    """(state letter, exit status for a zombie) of a process, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[-1]) >> 8  # exit_code (Linux >= 3.5), waitpid's encoding
+
+
+def _running(pid):
+    state = _proc_state(pid)
+    return state is not None and state[0] not in "ZX"
+
+
+def _pids(out):
+    return {int(p.name.split("_")[1]): int(p.read_text()) for p in out.glob("pid_*")}
+
+
+def _read(path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def launch(case, tmp_path, *args, frozen=()):
+    """Run one case; ``frozen``: ranks left stopped by the fault (not waited for; killed after)."""
+    out = tmp_path / case
+    out.mkdir()
+    start = time.time()
+    with (out / "output.txt").open("w") as log:
+        proc = subprocess.Popen([sys.executable, str(SCRIPTS / "faults.py"), case, str(out), *map(str, args)],
+                                cwd=out, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    frozen_status = {}
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            pids = _pids(out)
+            launcher_done = proc.poll() is not None or (0 in frozen and (out / "fault.json").exists())
+            if launcher_done and pids and not any(_running(p) for r, p in pids.items() if r not in frozen):
+                break
+            time.sleep(0.05)
+        else:  # a hang: every process prints its threads' stacks into the output
+            for pid in _pids(out).values():
+                if _running(pid):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(2)
+        gone = time.time()
+        for rank, pid in _pids(out).items():
+            state = _proc_state(pid)
+            if rank not in frozen and state is not None and state[0] == "Z":
+                frozen_status[rank] = state[1]  # a child the stopped launcher could not reap
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.killpg(proc.pid, sig)  # whatever is left of the run, orphans included
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+    fault = _read(out / "fault.json")
+    print(f"{case}: every process gone {gone - (fault['time'] if fault else start):.1f} s after the "
+          f"{'fault' if fault else 'start'}")
+    exceptions = {int(p.stem.split("_")[1]): _read(p) for p in out.glob("exception_*.json")}
+    ends = {int(p.stem.split("_")[1]): _read(p) for p in out.glob("end_*.json")}
+    return Run(None if 0 in frozen else proc.returncode, (out / "output.txt").read_text(), out, fault,
+               gone - (fault["time"] if fault else start), exceptions, ends, _read(out / "rank0.json"),
+               frozen_status)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Launches a case once for the whole module (the resume test reuses a pre-empted run)."""
+    folder, done = tmp_path_factory.mktemp("faults"), {}
+
+    def get(case, *args, frozen=()):
+        if case not in done:
+            done[case] = launch(case, folder, *args, frozen=frozen)
+        return done[case]
+    return get
+
+
+def assert_ended_at_once(run, cause, ranks=(0, 1)):
+    """Every process gone within DEADLINE_S of the fault, the launcher's exit status 1, ``fit``
+    raising on every process (its exit status 1), ``cause`` named in how each of ``ranks`` ended."""
+    assert run.fault is not None, run.tail()
+    assert run.gone_after < DEADLINE_S, (run.gone_after, run.tail())
+    assert run.status == 1, run.tail()
+    assert all(run.ends[rank]["raised"] for rank in (0, 1)), run.ends
+    assert all(status in (1, None) for status in run.rank0["statuses"]), run.rank0  # None: exiting
+    for rank in ranks:
+        assert cause in run.exceptions[rank]["message"], (rank, run.exceptions, run.tail())
+        assert re.search(rf"\[rank{rank}\]: \S+: .*{re.escape(cause)}", run.output), run.tail()  # printed
+
+
+def assert_books_and_logs(run, trace_learners, unfinished_updates=0):
+    """The counters balance, and the files written so far parse: wallclock.csv has a row per
+    update (but the last ``unfinished_updates``), delays.csv the delays of ``trace_learners``."""
+    stats = run.rank0["stats"]
+    assert books_balance(stats) and stats["gradients_pending"] == 0, stats
+    with (run.logs() / "wallclock.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    updates = stats["updates"] - unfinished_updates
+    assert [int(float(r["update"])) for r in rows] == list(range(1, updates + 1))
+    assert Path(stats["trace_path"]) == run.logs() / "delays.csv"
+    with (run.logs() / "delays.csv").open() as f:
+        trace = list(csv.DictReader(f))
+    assert {int(r["learner"]) for r in trace} == set(trace_learners)
+    assert all(float(r["delay_s"]) >= 0 for r in trace)
+    assert not list(run.logs().glob(".*.tmp"))  # atomic writes left no partial file behind
+
+
+# ---------------------------------------------------------------- exceptions
+
+
+@pytest.mark.parametrize("case, cause", [
+    ("scheduler", "the parameter server failed: RuntimeError: scheduler failed"),
+    ("optimizer", "the parameter server failed: RuntimeError: optimizer step failed"),
+])
+def test_an_exception_on_the_server_thread_ends_every_process(runs, case, cause):
+    run = runs(case)
+    assert_ended_at_once(run, cause)
+    assert run.exceptions[0]["type"] == run.exceptions[1]["type"] == "ServerFailed"
+    # the update that raised is counted (its gradients were taken) but has no wall-clock row
+    assert_books_and_logs(run, trace_learners={0}, unfinished_updates=1)
+
+
+@pytest.mark.parametrize("case, failed, error", [
+    ("training_step", 1, "ValueError: boom"),  # a learner's step, on a child process
+    ("callback", 0, "KeyError: 'callback failed'"),  # a callback, on the server's process
+])
+def test_an_exception_on_a_learner_ends_every_process_naming_it(runs, case, failed, error):
+    run = runs(case)
+    assert_ended_at_once(run, f"learner {failed} failed: {error}", ranks=[1 - failed])
+    assert run.exceptions[1 - failed]["type"] == "ServerFailed"
+    assert error.split(": ", 1)[1] in run.exceptions[failed]["message"]  # its own exception
+    assert_books_and_logs(run, trace_learners={0})
+
+
+# ---------------------------------------------------------------- signals
+
+
+@pytest.mark.parametrize("case, rank", [("sigterm_launcher", 0), ("sigterm_child", 1),
+                                        ("sigint_launcher", 0), ("sigint_child", 1)])
+def test_a_signal_to_any_process_stops_every_learner_through_the_shutdown_protocol(runs, case, rank):
+    run = runs(case)
+    assert_ended_at_once(run, f"{run.fault['what']} on rank {rank}: training stopped before its end")
+    assert run.exceptions[0]["type"] == run.exceptions[1]["type"] == "RunInterrupted"
+    assert_books_and_logs(run, trace_learners={0, 1})  # every learner said goodbye, with its delays
+    # OnExceptionCheckpoint ran on rank 0 with the server's latest parameters and books
+    checkpoint = run.rank0["checkpoint"]
+    assert checkpoint["matches_server"] and checkpoint["server"]["updates"] == run.rank0["stats"]["updates"]
+
+
+def test_a_preempted_run_resumes_from_its_exception_checkpoint(runs):
+    first = runs("sigterm_launcher")
+    saved = torch.load(first.out / "on_exception.ckpt", weights_only=False)["stale_server"]["updates"]
+    assert 15 <= saved < 60
+    run = runs("resume", first.out / "on_exception.ckpt")
+    assert run.status == 0 and run.ends == {0: {"raised": None}, 1: {"raised": None}}, run.tail()
+    assert run.rank0["updates"] == list(range(saved + 1, 61))  # the update count goes on
+    assert run.rank0["stats"]["updates"] == 60 and books_balance(run.rank0["stats"])
+
+
+# ---------------------------------------------------------------- the server's process
+
+
+def test_a_killed_server_ends_every_learner(runs):
+    run = runs("sigkill_server")
+    assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
+    assert run.status == -signal.SIGKILL and run.ends == {1: {"raised": "ServerFailed"}}
+    assert run.exceptions[1]["type"] == "ServerFailed"
+    assert "learner 1: the connection to the server (rank 0) broke" in run.exceptions[1]["message"]
+
+
+def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs):
+    """Rank 0 stopped with SIGSTOP: its learner hears no heartbeat for server_timeout = 3 s."""
+    run = runs("sigstop_server", frozen={0})
+    assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
+    assert run.gone_after > 2.0  # it heard from the server until the freeze
+    assert "learner 1: no message from the server for 3 s" in run.exceptions[1]["message"]
+    assert run.frozen_status == {1: 1}  # rank 1 exited with status 1
+
+
+# ---------------------------------------------------------------- on_learner_failure="continue"
+
+
+@pytest.mark.parametrize("case", ["continue_k_async", "continue_k_batch_sync"])
+def test_with_continue_a_killed_learner_is_dropped_and_the_run_finishes(runs, case):
+    """Three learners, K = 2, rank 2 SIGKILLed mid-run under Lightning's own launcher."""
+    run = runs(case)
+    assert run.status == 0, run.tail()
+    # ranks 1 and 2: the launcher's watch saw rank 2 die, and let the run go on
+    assert run.rank0["statuses"][0] in (0, None) and run.rank0["statuses"][1] == -signal.SIGKILL
+    assert run.ends == {0: {"raised": None}, 1: {"raised": None}}
+    stats = run.rank0["stats"]
+    assert stats["updates"] == 60 and stats["dead_learners"] == [2] and books_balance(stats)
+    assert 12 <= run.rank0["updates_at_death"] <= 45  # after an epoch, before most of the run
+    assert "learner 2 died" in run.output and "training goes on without it" in run.output
+    # validation ran at the first epoch's end, and is skipped once the process group lost a member
+    assert "val/acc" in run.rank0["metrics"] and stats["epochs"] == 5
+    assert "a learner died; validation is skipped for the rest of this fit" in run.output
+    # the learners left said goodbye; the dead one's delays are lost with it
+    assert_books_and_logs(run, trace_learners={0, 1})
