@@ -6,6 +6,14 @@ from different steps and deadlock. The strategy answers those locally; at epoch 
 validation every learner is in step again and collectives are real, unless a learner has died
 (``on_learner_failure="continue"``): the default process group then lacks a member for the rest
 of the fit, so collectives stay local and validation is skipped.
+
+For the same reason a learner must not stop on its own inside an epoch. Lightning validates when
+``trainer.should_stop`` is set mid-epoch (for early stopping), and under DDP every rank stops
+at the same batch because callbacks broadcast their decision (``Timer`` for ``max_time``); here
+that broadcast is local, so a learner that stopped alone would validate alone, or at a different
+point than the others, and their collectives would pair up wrongly. So a stop wanted inside a
+training batch is handed to the strategy (`ask_to_stop`), which has the server stop everyone,
+and each learner stops at its own next batch on the server's STOP, validating exactly once.
 """
 
 from __future__ import annotations
@@ -37,6 +45,17 @@ class _Pace(Callback):
         self.strategy.fit_failed(exception)
 
 
+class _StopTogether(Callback):
+    """Last among the callbacks: a stop wanted inside a training batch goes to the strategy."""
+
+    def __init__(self, strategy: OwnPaceCollectives) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.should_stop and self.strategy.ask_to_stop():
+            trainer.should_stop = False  # until the server's STOP, which every learner gets
+
+
 class OwnPaceCollectives:
     """Mixin for a DDP-style strategy: collectives are local while learners are out of step."""
 
@@ -45,10 +64,20 @@ class OwnPaceCollectives:
 
     def track_pace(self, trainer: Any) -> Callable[[], None]:
         """Start tracking the phases of ``trainer``'s fit; returns the undo."""
-        pace = _Pace(self)
+        pace, together = _Pace(self), _StopTogether(self)
         trainer.callbacks.insert(0, pace)
+        trainer.callbacks.append(together)
         self.lost_learner = False
-        return lambda: trainer.callbacks.remove(pace)
+
+        def undo() -> None:
+            trainer.callbacks.remove(pace)
+            trainer.callbacks.remove(together)
+        return undo
+
+    def ask_to_stop(self) -> bool:
+        """This learner's Trainer wants to stop inside an epoch: True when the stop is left to
+        the server (training goes on until it stops every learner), False to stop here."""
+        return False
 
     def fit_failed(self, exception: BaseException) -> None:
         """The fit raised ``exception`` on this process (before the other callbacks hear it)."""

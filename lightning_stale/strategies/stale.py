@@ -271,6 +271,14 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._watchdog.start()
         learner.wait_for_parameters()
 
+    @override
+    def ask_to_stop(self) -> bool:
+        learner = self._learner
+        if learner is None or learner.stopped:
+            return False
+        self._guarded(learner.request_stop)
+        return True
+
     def _known_failure(self) -> str | None:
         """Why this process must end soon, as far as it knows: the run failed, or a signal is
         stopping it (the watchdog gives the training thread its grace period from then)."""

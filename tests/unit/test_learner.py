@@ -264,6 +264,20 @@ def test_interrupt_asks_the_server_to_stop_the_run():
     assert learner.failure is None
 
 
+def test_a_wanted_stop_is_asked_of_the_server_once_and_training_goes_on_until_its_stop():
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.PARAMS, version=1, payload=torch.ones(2))
+    learner.request_stop()
+    learner.request_stop()  # asked again at the next batch: nothing more is sent
+    step(learner)  # still training: the push is answered
+    assert [m.kind for m in endpoint.pushed] == [Kind.HALT, Kind.PUSH] and not learner.stopped
+    endpoint.answer = Message(Kind.STOP, version=1, payload=torch.ones(2))
+    step(learner)
+    assert learner.stopped
+    learner.request_stop()  # stopped already: nothing to ask
+    assert [m.kind for m in endpoint.pushed] == [Kind.HALT, Kind.PUSH, Kind.PUSH]
+
+
 def test_abort_is_sent_once_and_becomes_the_learners_failure():
     learner, endpoint, _ = make_learner()
     learner.abort("learner 1 failed: ValueError: boom")

@@ -148,6 +148,21 @@ def test_first_goodbye_stops_the_server_loop_after_all_leave():
     assert [m.kind for _, m in endpoint.take()] == [Kind.STOP] * 4
 
 
+def test_a_learner_asking_to_stop_stops_everyone_even_during_an_epoch_end():
+    # e.g. max_time passed on learner 1: every learner stops on the server's STOP (and so
+    # validates at the same point), the push held by the pause counts as in flight
+    server, endpoint = make_server("k_async", k=2, pushes_per_epoch=2)
+    push(server, 0, 0)
+    push(server, 1, 0)
+    assert {m.kind for _, m in endpoint.take()} == {Kind.PARAMS, Kind.EPOCH}
+    push(server, 2, 1)  # held by the pause
+    server._handle(Message(Kind.HALT, 1))
+    assert [(l, m.kind) for l, m in endpoint.take()] == [(l, Kind.STOP) for l in range(4)]
+    stats = server.core.rules.stats()
+    assert server.core.stopped and stats["gradients_in_flight_at_stop"] == 1
+    assert server.learner_reports == {}  # nobody has left yet: the goodbyes follow
+
+
 def test_a_dead_learner_ends_the_run_for_everyone_with_its_name():
     server, endpoint = make_server("async")
     run_loop(server)

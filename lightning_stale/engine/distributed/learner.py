@@ -126,6 +126,7 @@ class Learner:
         self.version = -1
         self.server_epochs = 0  # epochs the server has ended
         self.stopped = False
+        self.stop_requested = False  # this learner asked the server to stop (`request_stop`)
         self.cancelled = 0  # mini-batches computed and never pushed
         self.delays: list[float] = []
         self.pushes = 0
@@ -371,6 +372,13 @@ class Learner:
                 raise ServerFailed(f"learner {self.rank}: no stop from the server within {timeout} s")
             self._absorb(messages)
         self.endpoint.join(timeout)
+
+    def request_stop(self) -> None:
+        """Ask the server to stop training for everyone (this learner's Trainer wants to stop);
+        the learner trains on until the server's STOP, so that every learner stops on it."""
+        if not (self.stop_requested or self.stopped):
+            self.stop_requested = True
+            self.endpoint.push(Message(Kind.HALT, version=self.version))
 
     def interrupt(self, reason: str) -> None:
         """Ask the server to stop the run for everyone (``reason`` names the signal); training

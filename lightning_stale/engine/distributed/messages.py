@@ -60,6 +60,9 @@ class Kind(IntEnum):
     # Learner -> server: this process got it; server -> learner: sent just before STOP, so that
     # every learner leaves through the goodbye protocol and then reports the interruption.
     INTERRUPT = 18
+    # learner -> server: its Trainer was asked to stop mid-epoch (a callback such as Timer for
+    # max_time): training stops for everyone, each learner on the server's STOP.
+    HALT = 19
 
 
 # What the owner on a rank takes from the server's downlink (the rest is for the learner).

@@ -161,6 +161,9 @@ class ParameterServer:
         elif event.kind == Kind.BYE:
             self.learner_reports[event.learner] = event
             self._stop()  # one learner leaving ends training for all (e.g. early stopping)
+        elif event.kind == Kind.HALT:
+            log.info("learner %d asks to stop: training stops for every learner", event.learner)
+            self._stop()
         elif event.kind == Kind.ABORT:
             self._abort(event.error, interrupted=bool(event.flags & Flag.INTERRUPTED))
         elif event.kind == Kind.INTERRUPT:
