@@ -17,6 +17,9 @@ Three pieces, each undone in the strategy's teardown:
   process 0 to 5 s after any child exits) replaced by `ChildWatch`, which gives the processes
   ``grace`` seconds to end by the protocol first, and tolerates learners that die once training
   has started when the run is meant to go on without them (``on_learner_failure="continue"``).
+
+`FaultHandling` is the strategy's side: it installs the trap and the watchdog for a fit, tells
+the server about this process's exception, and hands a stop wanted inside an epoch to the server.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ import sys
 import threading
 import time
 from typing import Any, Callable
+
+from typing_extensions import override
+
+from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 
 log = logging.getLogger(__name__)
 TRAPPED = (signal.SIGTERM, signal.SIGINT)
@@ -169,3 +176,91 @@ def watched_launcher(launcher: Any, tolerate: Callable[[], bool]) -> Any:
 
     launcher.launch = launch.__get__(launcher)
     return launcher
+
+
+class FaultHandling:
+    """Mixin for `StaleStrategy` (which sets ``_learner``, ``_server`` and ``global_rank``):
+    failures and stops of this process, as the module docstring describes."""
+
+    _trap: SignalTrap | None = None
+    _watchdog: Watchdog | None = None
+    _failure_raised = False  # this process's training thread raised the run's failure
+
+    def watch(self, learner: Learner) -> Callable[[], None]:
+        """Trap signals and start the watchdog for this fit; returns the undo of the trap."""
+        self._failure_raised = False
+        trap = self._trap = SignalTrap(self.global_rank)
+        trap.install()
+        self._watchdog = Watchdog(trap, report=learner.interrupt, failure=self._known_failure,
+                                  acknowledged=lambda: self._failure_raised)
+        self._watchdog.start()
+        return trap.restore
+
+    def stop_watching(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
+    def _known_failure(self) -> str | None:
+        """Why this process must end soon, as far as it knows: the run failed, or a signal is
+        stopping it (the watchdog gives the training thread its grace period from then)."""
+        server, learner = self._server, self._learner
+        if server is not None and (server.error or server.interruption):
+            return server.error or server.interruption
+        if learner is None:
+            return None
+        return (learner.failure or learner.endpoint.interrupted
+                or (self._trap.reason if self._trap is not None else None))
+
+    def guarded(self, fn, *args):
+        """Call ``fn``; a failure of the run it raises is this process's acknowledged failure."""
+        try:
+            return fn(*args)
+        except (ServerFailed, RunInterrupted):
+            self._failure_raised = True
+            raise
+
+    def check_server(self) -> None:
+        """Raise if the server failed (while rank 0 waits for something from it)."""
+        if self._server is not None and self._server.error:
+            raise (RunInterrupted if self._server.interrupted else ServerFailed)(self._server.error)
+
+    def ask_to_stop(self) -> bool:
+        """A stop wanted inside an epoch goes to the server, which stops every learner."""
+        learner = self._learner
+        if learner is None or learner.stopped:
+            return False
+        self.guarded(learner.request_stop)
+        return True
+
+    def note_dead_learners(self, trainer: Any) -> None:
+        """A learner died (``on_learner_failure="continue"``): the default process group lost a
+        member, so for the rest of this fit Lightning's collectives are answered locally and
+        validation is skipped (its metrics would be reduced with the dead learner, torchmetrics'
+        by torch.distributed directly)."""
+        if self.lost_learner or not self._learner.dead_learners:
+            return
+        self.lost_learner = self.local_collectives = True
+        if trainer.limit_val_batches:
+            self.patch(trainer, "limit_val_batches", 0)
+            log.warning("StaleStrategy: a learner died; validation is skipped for the rest of this fit "
+                        "(the default process group lost a member)")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self.fit_failed(exception)
+
+    def fit_failed(self, exception: BaseException) -> None:
+        """This process's exception ends the run: the server hears it (once) and, on rank 0,
+        stops deciding before the ``on_exception`` hooks read its state."""
+        self._failure_raised = True
+        learner = self._learner
+        if learner is None or isinstance(exception, (ServerFailed, RunInterrupted)) or learner.failure:
+            return  # the failure came from elsewhere, or was reported: everyone knows already
+        reason = f"learner {self.global_rank} failed: {type(exception).__name__}: {exception}"
+        try:
+            learner.abort(reason)
+        except Exception as exc:  # noqa: BLE001 - the original error matters more
+            log.warning("could not tell the server that %s: %s", reason, exc)
+        if self._server is not None:
+            self._server.join(2.0)

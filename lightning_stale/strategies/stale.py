@@ -25,7 +25,7 @@ from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.checkpoints import ServerCheckpoint
-from lightning_stale.strategies.faults import SignalTrap, Watchdog, watched_launcher
+from lightning_stale.strategies.faults import FaultHandling, watched_launcher
 from lightning_stale.strategies.lightning_api import (process_group_backend, replace_sigterm_broadcast,
                                                      set_global_step, sync_batchnorm_requested)
 from lightning_stale.strategies.namespaces import register_everywhere
@@ -40,7 +40,7 @@ _DDP_OPTIONS = ("accelerator", "parallel_devices", "cluster_environment", "check
                 "precision_plugin", "process_group_backend", "timeout", "start_method")
 
 
-class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
+class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
 
     The P learners are the Trainer's processes (devices x nodes), launched as for DDP. Global
@@ -135,9 +135,6 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
-        self._watchdog: Watchdog | None = None
-        self._trap: SignalTrap | None = None
-        self._failure_raised = False
         self._samplers: list[IndependentBatchSampler] = []
         self._pushes_per_epoch = 0
         self._batch_samples = 0
@@ -244,7 +241,6 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         trainer = self.lightning_module.trainer
         variant = self.settle_variant(self.world_size)
         self._final_stats = None
-        self._failure_raised = False
         self.lost_learner = False
         self._epoch = trainer.current_epoch
         self.path = choose_path(self.server, variant, ModelVectors.of(self.lightning_module).numel,
@@ -263,32 +259,8 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._checkpoint = ServerCheckpoint(self)
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
-        trap = self._trap = SignalTrap(self.global_rank)
-        trap.install()
-        self._undo.append(trap.restore)
-        self._watchdog = Watchdog(trap, report=learner.interrupt, failure=self._known_failure,
-                                  acknowledged=lambda: self._failure_raised)
-        self._watchdog.start()
+        self._undo.append(self.watch(learner))
         learner.wait_for_parameters()
-
-    @override
-    def ask_to_stop(self) -> bool:
-        learner = self._learner
-        if learner is None or learner.stopped:
-            return False
-        self._guarded(learner.request_stop)
-        return True
-
-    def _known_failure(self) -> str | None:
-        """Why this process must end soon, as far as it knows: the run failed, or a signal is
-        stopping it (the watchdog gives the training thread its grace period from then)."""
-        server, learner = self._server, self._learner
-        if server is not None and (server.error or server.interruption):
-            return server.error or server.interruption
-        if learner is None:
-            return None
-        return (learner.failure or learner.endpoint.interrupted
-                or (self._trap.reason if self._trap is not None else None))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -298,14 +270,14 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         self._batch_samples += extract_batch_size(batch)  # a push counts all its micro-batches
         if trainer.current_epoch > self._epoch:  # an epoch's end is over: training goes on
             self._epoch = trainer.current_epoch
-            self._note_dead_learners(trainer)
+            self.note_dead_learners(trainer)
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if self._server is not None:
                 self._server.resume(metrics)
             schedules = self._learner.exchange.schedules  # stepped here where learners apply updates
             if schedules is not None:
                 schedules.end_epoch(self._epoch - 1, metrics)
-            self._guarded(self._learner.resume)
+            self.guarded(self._learner.resume)
         if first_micro_batch:
             self._batch_started = time.monotonic()
             self._buffers_at_start = [b.detach().clone() for b in self._learner.vectors.buffers]
@@ -325,7 +297,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
             learner = self._learner
             discarded, version = learner.cancelled, learner.version
-            self._guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
+            self.guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
             if learner.cancelled > discarded and learner.version == version and not learner.stopped:
                 # Discarded with no new parameters (it started after an epoch's end): as if it
@@ -335,7 +307,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
                         buffer.copy_(saved)
             self.minibatch_times.append(self._learner.last_x)  # X, for MiniBatchTimer
         self._batch_samples = 0
-        self._note_dead_learners(trainer)  # before Lightning decides to validate
+        self.note_dead_learners(trainer)  # before Lightning decides to validate
         set_global_step(trainer, max(self._learner.version, 0))
         if self._learner.stopped:
             trainer.should_stop = True
@@ -352,52 +324,6 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
             schedules.metrics.update(metrics)
         elif self._server is not None:
             self._server.report_metrics(metrics)
-
-    def check_server(self) -> None:
-        """Raise if the server failed (while rank 0 waits for something from it)."""
-        if self._server is not None and self._server.error:
-            raise (RunInterrupted if self._server.interrupted else ServerFailed)(self._server.error)
-
-    def _note_dead_learners(self, trainer) -> None:
-        """A learner died (``on_learner_failure="continue"``): the default process group lost a
-        member, so for the rest of this fit Lightning's collectives are answered locally and
-        validation is skipped (its metrics would be reduced with the dead learner, torchmetrics'
-        by torch.distributed directly)."""
-        if self.lost_learner or not self._learner.dead_learners:
-            return
-        self.lost_learner = self.local_collectives = True
-        if trainer.limit_val_batches:
-            self.patch(trainer, "limit_val_batches", 0)
-            log.warning("StaleStrategy: a learner died; validation is skipped for the rest of this fit "
-                        "(the default process group lost a member)")
-
-    def _guarded(self, fn, *args):
-        try:
-            return fn(*args)
-        except (ServerFailed, RunInterrupted):
-            self._failure_raised = True
-            raise
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self.fit_failed(exception)
-
-    @override
-    def fit_failed(self, exception: BaseException) -> None:
-        """This process's exception ends the run: the server hears it (once) and, on rank 0,
-        stops deciding before the ``on_exception`` hooks read its state."""
-        self._failure_raised = True
-        learner = self._learner
-        if learner is None or isinstance(exception, (ServerFailed, RunInterrupted)) or learner.failure:
-            return  # the failure came from elsewhere, or was reported: everyone knows already
-        reason = f"learner {self.global_rank} failed: {type(exception).__name__}: {exception}"
-        try:
-            learner.abort(reason)
-        except Exception as exc:  # noqa: BLE001 - the original error matters more
-            log.warning("could not tell the server that %s: %s", reason, exc)
-        if self._server is not None:
-            self._server.join(2.0)
 
     @override
     def on_train_end(self) -> None:
@@ -422,8 +348,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
         learner, self._learner = self._learner, None
         if learner is None:
             return
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        self.stop_watching()
         learner.close(self.shutdown_timeout)
         if self._server is not None:
             self._finish_server()
@@ -503,8 +428,7 @@ class StaleStrategy(OwnPaceCollectives, ServerStrategyMixin):
     @override
     def teardown(self) -> None:
         try:
-            if self._watchdog is not None:
-                self._watchdog.stop()
+            self.stop_watching()
             learner = self._learner
             if learner is not None and not self._failure_raised and not learner.failure:
                 try:  # an exception ended training here: leave without hanging
