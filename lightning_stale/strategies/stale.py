@@ -72,8 +72,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             on rank 0 holds the parameters), ``"collective"`` (sync family: the gradients of an
             update meet in one all-reduce on the default group and every learner applies it),
             ``"sharded"`` (every rank owns a slice of the parameters and optimizer state), or
-            ``"auto"`` (default: collective for the sync family and sharded for the async family
-            on models of at least ``ranks.SCALE_MIN_NUMEL`` values, else central).
+            ``"auto"`` (default: collective for the sync family on models of at least
+            ``ranks.SCALE_MIN_NUMEL`` values, sharded for the async family once parameters x
+            (P - 1) reach ``ranks.SHARDED_MIN_TRAFFIC``, else central).
             ``stats["server_path"]`` says which ran.
         on_learner_failure: ``"stop"`` (default): a learner that dies ends the run, like DDP;
             ``"continue"``: the server drops it, clamps K to the learners left and goes on

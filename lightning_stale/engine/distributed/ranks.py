@@ -9,8 +9,10 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
   meet in one all-reduce and every learner applies it (`engine.distributed.collective`).
 * ``"sharded"``: the server decides from headers; every rank owns a slice of the parameters and
   of the optimizer state, and applies its part of every update (`engine.distributed.sharded`).
-* ``"auto"``: for a model of at least ``SCALE_MIN_NUMEL`` values, collective for the sync family
-  and sharded for the async family, where the options allow; central otherwise.
+* ``"auto"``: collective for the sync family on a model of at least ``SCALE_MIN_NUMEL`` values;
+  sharded for the async family once N x (P - 1) reaches ``SHARDED_MIN_TRAFFIC`` (central's rank
+  0 moves about 2N(P - 1) values per P gradients, P times a ring all-reduce's share); where the
+  options allow; central otherwise.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ SERVER_PATHS = ("auto", "central", "collective", "sharded")
 # Below this many values per exchange a round trip through rank 0 costs less than spreading the
 # traffic (measured by benchmarks/scaling.py; see the README's "Scaling" section).
 SCALE_MIN_NUMEL = 1 << 18
+# The async family on the central path until N x (P - 1) reaches this: below it the central
+# server kept up with the sharded one (2 and 4 processes, 1M to 16M parameters, same benchmark).
+SHARDED_MIN_TRAFFIC = 1 << 24
 
 
 def path_problem(path: str, variant_name: str, on_learner_failure: str,
@@ -83,6 +88,8 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
             raise ValueError(problem)
         return path
     if variant.p == 1 or numel < SCALE_MIN_NUMEL:
+        return "central"
+    if not variant.synchronous and numel * (variant.p - 1) < SHARDED_MIN_TRAFFIC:
         return "central"
     scaled = "collective" if variant.synchronous else "sharded"
     ok = path_problem(scaled, variant.name, on_learner_failure, compensation, clips) is None

@@ -1,0 +1,54 @@
+"""Which server path ``server="auto"`` picks, and the refusals of a forced path: the rule of
+`engine.distributed.ranks.choose_path`, measured by benchmarks/scaling.py (README, "Scaling")."""
+
+import pytest
+
+from lightning_stale.engine.distributed.ranks import SCALE_MIN_NUMEL, SHARDED_MIN_TRAFFIC, choose_path
+from lightning_stale.method.compensation import StalenessCompensation
+from lightning_stale.method.variants import Variant
+
+
+def auto(name, p, numel, k=None, failure="stop", compensation=None, clips=False):
+    return choose_path("auto", Variant.create(name, p, k), numel, failure, compensation, clips)
+
+
+@pytest.mark.parametrize("name", ["sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"])
+def test_small_models_and_one_learner_stay_central(name):
+    k = None if name in ("sync", "async") else 1
+    assert auto(name, 4, SCALE_MIN_NUMEL - 1, k) == "central"
+    assert auto(name, 1, 100 * SHARDED_MIN_TRAFFIC, 1 if k else None) == "central"
+
+
+def test_the_sync_family_goes_collective_at_scale():
+    assert auto("sync", 2, SCALE_MIN_NUMEL) == "collective"
+    assert auto("k_batch_sync", 4, SCALE_MIN_NUMEL, k=2) == "collective"
+
+
+def test_the_async_family_shards_once_rank_0_would_carry_too_much():
+    # 4M parameters: central on 2 and 4 learners (where it kept up), sharded on 8
+    assert auto("k_async", 2, 4_000_000, k=1) == "central"
+    assert auto("k_async", 4, 4_000_000, k=2) == "central"
+    assert auto("k_async", 8, 4_000_000, k=4) == "sharded"
+    # 16M parameters: sharded from 2 learners on
+    assert auto("async", 2, SHARDED_MIN_TRAFFIC) == "sharded"
+    assert auto("k_batch_async", 4, 16_000_000, k=2) == "sharded"
+
+
+def test_options_that_need_the_whole_model_keep_auto_central():
+    big = 100 * SHARDED_MIN_TRAFFIC
+    assert auto("k_async", 4, big, k=2, failure="continue") == "central"
+    assert auto("k_sync", 4, big, k=2, failure="continue") == "central"
+    assert auto("async", 4, big, compensation=StalenessCompensation.create({"mode": "norm", "c": 1.0})) == "central"
+    assert auto("async", 4, big, clips=True) == "central"  # clipping needs the whole gradient
+    assert auto("sync", 4, big, clips=True) == "collective"  # every learner holds it
+
+
+@pytest.mark.parametrize("path, name, failure, match", [
+    ("collective", "k_async", "stop", "serves the sync family"),
+    ("sharded", "k_async", "continue", "use server='central' with on_learner_failure='continue'"),
+    ("collective", "sync", "continue", "a dead learner ends the run"),
+])
+def test_a_forced_path_that_cannot_run_the_options_is_refused_naming_the_alternative(path, name, failure, match):
+    variant = Variant.create(name, 4, 2 if name.startswith("k_") else None)
+    with pytest.raises(ValueError, match=match):
+        choose_path(path, variant, 10, failure, None)
