@@ -5,10 +5,12 @@ Deep MLPs (64 inputs, equal hidden layers, 10 classes, batch 32, plain SGD) of a
 default 2 then 4) and size, every mode runs interleaved ``--repeats`` times:
 
 * ``ddp``: Lightning's stock DDP (one all-reduce per step);
-* the six variants on the path ``server="auto"`` picks (collective for the sync family, sharded
-  for the async family, above `ranks.SCALE_MIN_NUMEL` values; central below), K = P for
+* the six variants on the path ``server="auto"`` picks (`ranks.choose_path`: collective for the
+  sync family from `ranks.SCALE_MIN_NUMEL` values, sharded for the async family once parameters
+  x (P - 1) reach `ranks.SHARDED_MIN_TRAFFIC`, central otherwise), K = P for
   ``sync``/``k_sync`` and K = P/2 for the K-variants of the other families, K = 1 for Async;
-* ``sync`` and ``k_batch_async`` forced onto the central server, for comparison.
+* ``sync`` forced onto the central server, and ``k_batch_async`` onto each of the central and
+  sharded paths, for comparison.
 
 Measured in the steady state after ``--warmup`` updates: for ddp the mean time between optimizer
 steps on rank 0 (samples/s = P x batch / that); for the server the update records' clock
@@ -63,7 +65,7 @@ def modes(p: int) -> list[tuple[str, int | None, str]]:
     half = max(1, p // 2)
     return [("ddp", None, ""), ("sync", p, "auto"), ("k_sync", p, "auto"), ("k_batch_sync", half, "auto"),
             ("async", 1, "auto"), ("k_async", half, "auto"), ("k_batch_async", half, "auto"),
-            ("sync", p, "central"), ("k_batch_async", half, "central")]
+            ("sync", p, "central"), ("k_batch_async", half, "central"), ("k_batch_async", half, "sharded")]
 
 
 def parameters(hidden: tuple[int, ...]) -> int:
