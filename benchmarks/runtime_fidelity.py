@@ -45,11 +45,13 @@ def variant_k(name: str, k: int, p: int) -> int:
 
 
 def fit(name: str, k: int, p: int, updates: int, delay, batch_size: int, seed: int,
-        trace_path: Path | None, delay_mode: str = "after_compute") -> tuple[dict, float]:
+        trace_path: Path | None, delay_mode: str = "after_compute",
+        epoch_batches: int = 0) -> tuple[dict, float]:
     seed_everything(seed, verbose=False)
-    # Enough samples that no epoch ends during the run (an epoch is ceil(N / m) pushes of all
-    # learners together; the sync variant pushes P gradients per update).
-    samples = batch_size * (p * updates + 16 * p) * 2
+    # By default enough samples that no epoch ends during the run (an epoch is ceil(N / m)
+    # pushes of all learners together; the sync variant pushes P gradients per update); with
+    # ``epoch_batches`` an epoch is that many mini-batches, to check that epoch ends cost nothing.
+    samples = batch_size * (epoch_batches or (p * updates + 16 * p) * 2)
     strategy = StaleStrategy(name, k, delay=delay, seed=seed, delay_mode=delay_mode,
                              record_trace=str(trace_path) if trace_path else False)
     trainer = Trainer(devices=p, max_steps=updates, strategy=strategy, **trainer_kwargs())
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--mean", type=float, default=0.05, help="mean injected delay (s)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--epoch-batches", type=int, default=0,
+                        help="mini-batches per epoch (as a DDP rank's epoch of BoringModel: 64), so "
+                             "that epochs end during the run; 0: none ends")
     add_delay_mode_argument(parser)
     args = parser.parse_args()
     apply_process_settings(args)
@@ -97,7 +102,7 @@ def main() -> None:
         theory = expected_iteration_time(name, p, k, Exponential(mean=args.mean))
         updates = max(args.updates, math.ceil(args.seconds / theory))
         stats, wall = fit(name, k, p, updates, delay, args.batch_size, args.seed, trace_path,
-                          args.delay_mode)
+                          args.delay_mode, args.epoch_batches)
         if not is_rank_zero():
             continue
         measured = stats["mean_update_interval_s"]
