@@ -109,15 +109,19 @@ class Inject(pl.Callback):
     """Writes this process's pid, arms or injects the fault, and records how this process ends."""
 
     def __init__(self):
-        self.batches = 0
+        self.batches = self.epoch_batches = 0
         self.updates_at_death = None  # rank 0: the server's updates when it lost a learner
 
     def on_train_start(self, trainer, module):
         (OUT / f"pid_{trainer.global_rank}").write_text(str(os.getpid()))
 
+    def on_train_epoch_start(self, trainer, module):
+        self.epoch_batches = 0
+
     def on_train_batch_end(self, trainer, *args):
         global armed
         self.batches += 1
+        self.epoch_batches += 1
         core = trainer.strategy.core
         if core is not None and core.rules.counts.dead_learners and self.updates_at_death is None:
             self.updates_at_death = core.updates
@@ -132,6 +136,10 @@ class Inject(pl.Callback):
             os.kill(os.getpid(), FAULT)
 
     def _ready(self, trainer):
+        if OPTIONS == CONTINUE:
+            # Killed while training, early in an epoch: a learner that dies while the others
+            # validate at an epoch's end ends the run even under "continue" (README, "Faults").
+            return trainer.current_epoch >= 1 and trainer.global_step >= 12 and self.epoch_batches == 2
         if trainer.global_step < FAULT_AT or self.batches < 3:
             return False
         core = trainer.strategy.core  # on rank 0: wait until every learner is training
