@@ -339,3 +339,20 @@ def launch_per_device_count(script: str, name: str, devices: Sequence[int], out:
         result.unlink()
     return rows
 
+
+def run_per_device_count(parser, script: str, name: str, run_launch):
+    """The shared main of a benchmark launched once per process count (``--devices``): parse
+    the arguments and apply the process settings; in a child, run its launch with
+    ``run_launch(args)`` and return None; in the parent, launch once per P and return
+    ``(args, out, rows, total_wall_s)``."""
+    add_launch_arguments(parser)
+    args = parser.parse_args()
+    apply_process_settings(args)
+    if args.child_devices is not None:
+        run_launch(args)
+        return None
+    out = prepare_out(args.out)
+    start = time.monotonic()
+    rows = launch_per_device_count(script, name, args.devices, out)
+    return args, out, rows, time.monotonic() - start
+

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from pytorch_lightning import Trainer, seed_everything
 
-from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser,
-                     classification_loader, is_rank_zero, median, prepare_out, rank_print, table,
-                     trainer_kwargs, write_results, add_launch_arguments, launch_per_device_count)
+from _common import (MLPClassifier, StepTimer, base_parser, run_per_device_count,
+                     classification_loader, is_rank_zero, median, rank_print, table,
+                     trainer_kwargs, write_results)
 from lightning_stale import StaleStrategy
 
 TARGETS = {"sync": 0.9, "k_sync": 0.5}
@@ -118,16 +118,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--no-extra", dest="extra", action="store_false",
                         help="only ddp, sync and k_sync (K = P)")
-    add_launch_arguments(parser)
-    args = parser.parse_args()
-    apply_process_settings(args)
-    if args.child_devices is not None:
-        run_launch(args)
+    launched = run_per_device_count(parser, __file__, "overhead_vs_ddp", run_launch)
+    if launched is None:
         return
-    out = prepare_out(args.out)
-    launch = time.monotonic()
-    rows = launch_per_device_count(__file__, "overhead_vs_ddp", args.devices, out)
-    total = time.monotonic() - launch
+    args, out, rows, total = launched
     summary = summarise(rows, args.devices)
     print()
     print(f"no injected delay, MLP 64-{args.hidden}-10, batch {args.batch_size}, {args.steps} steps per fit, "

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 from pytorch_lightning import Callback, Trainer, seed_everything
 
-from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser, classification_loader,
-                     is_rank_zero, median, prepare_out, rank_print, table, trainer_kwargs, write_results,
-                     add_launch_arguments, launch_per_device_count)
+from _common import (MLPClassifier, StepTimer, base_parser, run_per_device_count, classification_loader,
+                     is_rank_zero, median, rank_print, table, trainer_kwargs, write_results)
 from lightning_stale import StaleStrategy
 
 SIZES = {"0.02M": (256,), "1M": (350,) * 8, "4M": (700,) * 8, "16M": (1400,) * 8}
@@ -159,16 +157,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="updates per fit (default: by size)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=5)
-    add_launch_arguments(parser)
-    args = parser.parse_args()
-    apply_process_settings(args)
-    if args.child_devices is not None:
-        run_launch(args)
+    launched = run_per_device_count(parser, __file__, "scaling", run_launch)
+    if launched is None:
         return
-    out = prepare_out(args.out)
-    start = time.monotonic()
-    rows = launch_per_device_count(__file__, "scaling", args.devices, out)
-    total = time.monotonic() - start
+    args, out, rows, total = launched
     summary = summarise(rows)
     print(table(summary, ["devices", "size", "parameters", "mode", "k", "path", "ms_per_update",
                           "samples_per_s", "vs_ddp", "per_repeat", "target"]))
