@@ -2,13 +2,16 @@
 that run them unchanged on both engines (tests/unit/test_user_modules.py,
 tests/integration/scripts/user_modules.py).
 
-Nothing here knows about lightning_stale: AdamW with a linear warm-up sized from
+The modules know nothing about lightning_stale: AdamW with a linear warm-up sized from
 ``estimated_stepping_batches``, torchmetrics accuracy logged with ``self.log``, a frozen
 pretrained-style backbone, an unused head under weight decay, a CNN with ``BatchNorm2d`` and a
-``ReduceLROnPlateau`` on ``val/loss`` (lightning-hydra-template style).
+``ReduceLROnPlateau`` on ``val/loss`` (lightning-hydra-template style). ``fit_user_module`` fits
+one of them in this process with the set-up several unit tests share (tests/engines.py).
 """
 
 from __future__ import annotations
+
+import time
 
 import pytorch_lightning as pl
 import torch
@@ -16,6 +19,8 @@ import torchmetrics
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+from engines import fit
 
 
 def blobs(n: int = 192, features: int = 8, classes: int = 3, seed: int = 0, noise: float = 1.0):
@@ -156,6 +161,14 @@ class BatchNormCNN(Classifier):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+class SlowSteps(Classifier):
+    """10 ms of sleep in every training step: a fit long enough for ``max_time`` to end it."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
 class Plateau(Classifier):
     """ReduceLROnPlateau on the validation loss, once per epoch (lightning-hydra-template)."""
 
@@ -263,3 +276,18 @@ class AnyOptimizer(pl.LightningModule):
         )
         y = torch.randn(1, 4 if self.sparse else 2, generator=g)
         return DataLoader(TensorDataset(x.repeat(32, 1), y.repeat(32, 1)), batch_size=8)
+
+
+def fit_user_module(
+    engine: str,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule | None = None,
+    *,
+    variant: str = "k_async",
+    k: int | None = 2,
+    learners: int = 3,
+    **trainer_kwargs,
+) -> pl.Trainer:
+    """``engines.fit`` of ``model`` on ``engine`` with the set-up several unit tests share: K-async,
+    K = 2 of 3 simulated learners (the real engine runs P = K = 1); returns the Trainer."""
+    return fit(engine, model, datamodule, variant=variant, k=k, learners=learners, **trainer_kwargs)

@@ -13,7 +13,7 @@ import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 
 import user_modules as um
-from engines import books_balance, fit
+from engines import books_balance
 from lightning_stale import WallClockLogger
 from lightning_stale.engine.core import ServerCore
 
@@ -44,16 +44,8 @@ def test_precision_plugins_train_with_every_gradient_counted(engine, precision, 
         if precision == "16-mixed"
         else dict(precision=precision)
     )
-    trainer = fit(
-        engine,
-        model,
-        um.BlobData(),
-        variant="k_async",
-        k=2,
-        learners=3,
-        max_steps=30,
-        callbacks=[clock],
-        **options,
+    trainer = um.fit_user_module(
+        engine, model, um.BlobData(), max_steps=30, callbacks=[clock], **options
     )
     stats = trainer.strategy.stats
     assert stats["updates"] == 30 == trainer.global_step and books_balance(stats)
@@ -83,15 +75,8 @@ class OverflowOnce(um.Classifier):
 def test_an_overflowing_fp16_gradient_is_dropped_and_the_scale_halved(engine):
     pl.seed_everything(0)
     plugin = MixedPrecision("16-mixed", "cpu")
-    trainer = fit(
-        engine,
-        OverflowOnce(),
-        um.BlobData(),
-        variant="k_async",
-        k=2,
-        learners=3,
-        max_steps=10,
-        plugins=[plugin],
+    trainer = um.fit_user_module(
+        engine, OverflowOnce(), um.BlobData(), max_steps=10, plugins=[plugin]
     )
     stats = trainer.strategy.stats
     assert stats["gradients_dropped_by_reason"] == {"overflow": 1}
@@ -149,15 +134,8 @@ def test_accumulated_push_is_the_mean_gradient_of_its_micro_batches(engine, push
     torch.manual_seed(0)
     model = Recorded()
     clock = WallClockLogger()
-    trainer = fit(
-        engine,
-        model,
-        variant="k_sync",
-        k=2,
-        learners=3,
-        max_steps=6,
-        accumulate_grad_batches=n,
-        callbacks=[clock],
+    trainer = um.fit_user_module(
+        engine, model, variant="k_sync", max_steps=6, accumulate_grad_batches=n, callbacks=[clock]
     )
     k = trainer.strategy.stats["k"]
     # a push is n micro-batches; an update takes K pushes: n x batch x K samples

@@ -43,13 +43,10 @@ class BarWatcher(Callback):
 def test_the_bar_counts_server_updates_and_shows_k_and_staleness(engine):
     pl.seed_everything(0)
     watcher = BarWatcher()
-    trainer = fit(
+    trainer = um.fit_user_module(
         engine,
         um.Classifier(),
         um.BlobData(batch_size=16),
-        variant="k_async",
-        k=2,
-        learners=3,
         max_epochs=2,
         enable_progress_bar=True,
         callbacks=[watcher],

@@ -42,15 +42,8 @@ def test_linear_warmup_sized_from_estimated_stepping_batches(engine, limits):
     pl.seed_everything(0)
     model = um.WarmupAdamW(warmup=0.5)
     lrs = LearningRates()
-    trainer = fit(
-        engine,
-        model,
-        um.BlobData(batch_size=16),
-        variant="k_async",
-        k=2,
-        learners=3,
-        callbacks=[lrs],
-        **limits,
+    trainer = um.fit_user_module(
+        engine, model, um.BlobData(batch_size=16), callbacks=[lrs], **limits
     )
     stats = trainer.strategy.stats
     # the warm-up was sized from the updates this fit made: max_steps, or epochs x updates per
@@ -153,16 +146,10 @@ def test_limit_train_batches_shapes_the_servers_epochs(engine, limit, epochs, pu
 
 
 def test_max_time_stops_the_fit(engine):
-
-    class Slow(um.Classifier):
-        def training_step(self, batch, batch_idx):
-            time.sleep(0.01)
-            return super().training_step(batch, batch_idx)
-
     pl.seed_everything(0)
     started = time.monotonic()
     trainer = fit(
-        engine, Slow(), um.BlobData(batch_size=16), variant="async", max_time={"seconds": 1}
+        engine, um.SlowSteps(), um.BlobData(batch_size=16), variant="async", max_time={"seconds": 1}
     )
     elapsed = time.monotonic() - started
     stats = trainer.strategy.stats

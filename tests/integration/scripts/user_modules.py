@@ -159,16 +159,13 @@ if trainer.global_rank == 0:
 
 
 # max_time on two learners: whoever passes it first ends training for all.
-class Slow(um.Classifier):
-    def training_step(self, batch, batch_idx):
-        time.sleep(0.01)
-        return super().training_step(batch, batch_idx)
-
-
 pl.seed_everything(0)
 started = time.monotonic()
 trainer = fit(
-    Slow(), um.BlobData(), StaleStrategy("async", record_trace=False), max_time={"seconds": 2}
+    um.SlowSteps(),
+    um.BlobData(),
+    StaleStrategy("async", record_trace=False),
+    max_time={"seconds": 2},
 )
 if trainer.global_rank == 0:
     results["max_time"] = {
