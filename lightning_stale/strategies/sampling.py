@@ -1,12 +1,47 @@
-"""Mini-batches drawn independently by every learner, for as long as the server's epoch lasts."""
+"""Mini-batches drawn independently by every learner, for as long as the server's epoch lasts,
+and the Trainer options that epochs shaped by the server rule out."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_stale.strategies.lightning_api import sync_batchnorm_requested
+
+
+def check_trainer_options(strategy: Any, trainer: Any) -> None:
+    """Refuse, before training, the Trainer options that learners at their own pace cannot run."""
+    problems = []
+    if sync_batchnorm_requested(strategy):
+        problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every "
+                        "forward, which learners at their own pace cannot join")
+    if trainer.val_check_interval != 1.0:
+        problems.append("val_check_interval must be 1.0: validation runs when the server pauses "
+                        "every learner at an epoch's end (validate less often with "
+                        "check_val_every_n_epoch, more often with shorter epochs: "
+                        "limit_train_batches)")
+    if problems:
+        raise ValueError(f"{type(strategy).__name__} cannot run this Trainer: " + "; ".join(problems))
+
+
+def independent_sampler(dataloader: DataLoader, seed: int, rank: int, p: int,
+                        limit_train_batches: int | float, accumulate_grad_batches: int
+                        ) -> tuple[IndependentBatchSampler, int]:
+    """This learner's sampler for a training ``dataloader``, and the pushes of one epoch
+    (`pushes_per_epoch`); refuses loaders it cannot draw from independently."""
+    if isinstance(dataloader.dataset, IterableDataset):
+        raise ValueError("StaleStrategy needs a map-style training dataset: each learner draws "
+                         "its own mini-batches independently")
+    batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
+    if batch_size is None:
+        raise ValueError("StaleStrategy needs a training DataLoader with a batch_size")
+    n = len(dataloader.dataset)
+    pushes = pushes_per_epoch(n, batch_size, dataloader.drop_last, p, limit_train_batches,
+                              accumulate_grad_batches)
+    return IndependentBatchSampler(n, batch_size, seed, rank), pushes
 
 
 def pushes_per_epoch(num_samples: int, batch_size: int, drop_last: bool, p: int,

@@ -10,11 +10,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from pytorch_lightning.utilities.data import extract_batch_size
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_stale.delays.models import DelayModel
-from lightning_stale.delays.traces import TraceRecorder
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 from lightning_stale.engine.distributed.ranks import RankOptions, build_rank, check_path, choose_path
@@ -26,11 +25,10 @@ from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.checkpoints import ServerCheckpoint
 from lightning_stale.strategies.faults import FaultHandling, watched_launcher
-from lightning_stale.strategies.lightning_api import (process_group_backend, replace_sigterm_broadcast,
-                                                     set_global_step, sync_batchnorm_requested)
+from lightning_stale.strategies.lightning_api import process_group_backend, replace_sigterm_broadcast, set_global_step
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.pace import OwnPaceCollectives
-from lightning_stale.strategies.sampling import IndependentBatchSampler, pushes_per_epoch
+from lightning_stale.strategies.sampling import IndependentBatchSampler, check_trainer_options, independent_sampler
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +177,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     def setup(self, trainer) -> None:
         fitting = self.fitting()
         if fitting:
-            self._check_trainer_options(trainer)  # before Lightning looks at the data with them
+            check_trainer_options(self, trainer)  # before Lightning looks at the data with them
             # The server shapes epochs (the learners' loaders are endless): Lightning must not
             # cut them, nor validate every `limit_train_batches` batches of an endless loader.
             self._limit_train_batches = trainer.limit_train_batches
@@ -203,35 +201,14 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.validate_on_server_state(trainer)
         self.show_progress(trainer)
 
-    def _check_trainer_options(self, trainer) -> None:
-        problems = []
-        if sync_batchnorm_requested(self):
-            problems.append("sync_batchnorm must be False: SyncBatchNorm runs a collective in every "
-                            "forward, which learners at their own pace cannot join")
-        if trainer.val_check_interval != 1.0:
-            problems.append("val_check_interval must be 1.0: validation runs when the server pauses "
-                            "every learner at an epoch's end (validate less often with "
-                            "check_val_every_n_epoch, more often with shorter epochs: "
-                            "limit_train_batches)")
-        if problems:
-            raise ValueError(f"{type(self).__name__} cannot run this Trainer: "
-                             + "; ".join(problems))
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
             return dataloader
-        if isinstance(dataloader.dataset, IterableDataset):
-            raise ValueError("StaleStrategy needs a map-style training dataset: each learner draws "
-                             "its own mini-batches independently")
-        batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
-        if batch_size is None:
-            raise ValueError("StaleStrategy needs a training DataLoader with a batch_size")
-        n = len(dataloader.dataset)
-        self._pushes_per_epoch = pushes_per_epoch(n, batch_size, dataloader.drop_last, self.num_learners,
-                                                  self._limit_train_batches, trainer.accumulate_grad_batches)
-        sampler = IndependentBatchSampler(n, batch_size, self.seed, self.global_rank)
+        sampler, self._pushes_per_epoch = independent_sampler(
+            dataloader, self.seed, self.global_rank, self.num_learners, self._limit_train_batches,
+            trainer.accumulate_grad_batches)
         self._samplers.append(sampler)
         return sampler.loader(dataloader)
 
@@ -376,19 +353,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         normal end the trace holds every learner's delays (from their goodbyes); after a failure
         (``unannounced``: rank 0's learner, which said no goodbye) it holds rank 0's delays and
         those of learners that had said goodbye, not the others'."""
-        server = self._server
-        reports = {r: (m.payload, m.cancelled) for r, m in server.learner_reports.items()}
-        if unannounced is not None and unannounced.rank not in reports:
-            delays = torch.tensor(unannounced.delays, dtype=torch.float64) if unannounced.delays else None
-            reports[unannounced.rank] = (delays, unannounced.cancelled)
-        stats = server.core.stats()
+        stats, recorder = self._server.final_report(
+            None if unannounced is None else (unannounced.rank, unannounced.delays, unannounced.cancelled))
         stats["server_path"] = self.path
-        stats["computations_cancelled"] = sum(cancelled for _, cancelled in reports.values())
-        recorder = TraceRecorder()
-        for learner in sorted(reports):
-            payload = reports[learner][0]
-            for value in ([] if payload is None else payload.tolist()):
-                recorder.record(learner, value)
         path = self.write_trace(recorder)
         if path is not None:
             stats["trace_path"] = path

@@ -23,7 +23,10 @@ import time
 import traceback
 from typing import Mapping
 
+import torch
 
+
+from lightning_stale.delays.traces import TraceRecorder
 from lightning_stale.engine.core import Outcome, ServerCore
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
 from lightning_stale.engine.distributed.transport import ServerEndpoint
@@ -122,6 +125,24 @@ class ParameterServer:
     def state_dict(self) -> dict:
         with self.lock:
             return self.core.state_dict()
+
+    def final_report(self, unannounced: tuple[int, list[float], int] | None = None
+                     ) -> tuple[dict, TraceRecorder]:
+        """The final counters (``computations_cancelled`` summed over the learners' goodbyes)
+        and the trace of the delays the learners drew. ``unannounced``: (rank, delays,
+        cancelled) of a learner that said no goodbye (rank 0's, after a failure), if any."""
+        reports = {r: (m.payload, m.cancelled) for r, m in self.learner_reports.items()}
+        if unannounced is not None and unannounced[0] not in reports:
+            rank, delays, cancelled = unannounced
+            reports[rank] = (torch.tensor(delays, dtype=torch.float64) if delays else None, cancelled)
+        stats = self.core.stats()
+        stats["computations_cancelled"] = sum(cancelled for _, cancelled in reports.values())
+        recorder = TraceRecorder()
+        for learner in sorted(reports):
+            payload = reports[learner][0]
+            for value in ([] if payload is None else payload.tolist()):
+                recorder.record(learner, value)
+        return stats, recorder
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
