@@ -71,6 +71,41 @@ def test_max_time_ends_training_for_every_learner(runs):
     assert 0 < stats["updates"] and books_balance(stats) and min(stats["pushes_per_learner"]) > 0
 
 
+@pytest.mark.parametrize("path", ["collective", "sharded"])
+def test_batchnorm_state_on_the_scaled_paths(runs, path):
+    run = runs[f"batchnorm@{path}"]
+    assert run["stats"]["server_path"] == path
+    # two validations during fit and one after: every learner holds the same buffers
+    assert run["same_on_every_learner"] == [True] * 3 and run["same_after_fit"]
+    assert run["checkpoint_eval"] == pytest.approx(run["logged"][-1], rel=1e-6)
+    assert run["after_fit"] == pytest.approx(run["logged"][-1], rel=1e-6)
+    stats = run["stats"]
+    assert stats["epochs"] == 2 and books_balance(stats) and min(stats["pushes_per_learner"]) > 0
+
+
+def test_warmup_on_the_collective_path_steps_on_every_learner(runs):
+    run = runs["warmup@collective"]
+    stats = run["stats"]
+    # K = P = 2: 12 pushes per epoch make 6 updates, 2 epochs
+    assert stats["server_path"] == "collective" and run["total_steps"] == stats["updates"] == 12
+    warmup_steps = max(1, int(run["warmup"] * run["total_steps"]))
+    for seen in run["rates"]:  # each learner, after every push: the lr of the updates applied
+        assert len(seen) > 0
+        for version, lr in seen:
+            assert lr == pytest.approx(run["lr"] * min(1.0, (version + 1) / warmup_steps))
+    assert run["same_after_fit"] and books_balance(stats)
+
+
+def test_frozen_backbone_on_the_sharded_path(runs):
+    run = runs["frozen@sharded"]
+    assert run["stats"]["server_path"] == "sharded"
+    assert run["backbone_unchanged"] and run["backbone_unchanged_in_checkpoint"]
+    assert run["head_moved"] and run["same_after_fit"]
+    # AdamW state gathered from the shards: one entry per trainable tensor, none for the frozen
+    assert run["adamw_states"] == run["trainable_tensors"] > 0
+    assert books_balance(run["stats"]) and run["stats"]["updates"] > 0
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="`lightning` is not installed"
 )

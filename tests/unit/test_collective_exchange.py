@@ -71,3 +71,24 @@ def test_updates_average_the_taken_gradients_and_recycled_vectors_never_alias_gr
     assert torch.allclose(vectors.state_vector()[:vectors.numel], before - 0.1 * grad, atol=1e-6)
     # recycled vectors are few: at most the pending pushes of one update plus the one in .grad
     assert len(ex._spare) <= 3
+
+
+def test_epoch_end_and_stop_see_the_buffers_of_the_last_update(group):
+    # A forward pass begun after the update (work the epoch's end or the stop leaves unapplied)
+    # moves BatchNorm's running statistics; validation and the final module must not see that.
+    module, optimizer, vectors, ex = exchange()
+    backward_and_push(module, optimizer, ex, 1, True)
+    update(ex, 1, 1, version=1)
+    settled = vectors.state_vector()
+    backward_and_push(module, optimizer, ex, 2, True)  # in flight: not taken by any update
+    moved = vectors.state_vector()
+    assert not torch.equal(moved[vectors.numel:], settled[vectors.numel:])
+    assert torch.equal(moved[:vectors.numel], settled[:vectors.numel])  # only an update steps
+
+    epoch = Message(Kind.EPOCH, version=1)
+    ex.resolve(epoch, check=lambda: None)
+    assert torch.equal(epoch.payload, settled)  # what the learner validates on
+    assert torch.equal(vectors.state_vector(), moved)  # its own state is kept for after it
+
+    ex.take(Message(Kind.STOP, version=1))
+    assert torch.equal(vectors.state_vector(), settled)

@@ -96,6 +96,10 @@ class CollectiveExchange:
             offsets.append((start, start + b.numel(), b.is_floating_point()))
             start += b.numel()
         self._integers = [(a, z) for a, z, floating in offsets if not floating]
+        # The buffers as the last update left them (w_0's before any): a forward pass that began
+        # after it changes the module's own, so validation at an epoch's end loads these.
+        self._settled = (torch.cat([b.detach().reshape(-1).to(self.vectors.dtype) for b in vectors.buffers])
+                         if vectors.buffers else None)
 
     def fill_push(self, message: Message) -> None:
         spare = self._spare.pop() if self._spare else None
@@ -107,14 +111,23 @@ class CollectiveExchange:
         message.payload = None
 
     def resolve(self, message: Message, check) -> None:
-        pass
+        """An epoch's end: validation runs on the parameters and buffers of the last update (the
+        parameters are the module's own: they change only in `take`)."""
+        if message.kind == Kind.EPOCH and self._settled is not None:
+            state = self.vectors.state_vector()
+            state[self.vectors.numel:] = self._settled.to(state.device)
+            message.payload = state
 
     def close(self, timeout: float) -> list[str]:
         return []
 
     def take(self, message: Message) -> None:
         """An update: add this learner's share, all-reduce, step. (The first parameters and the
-        stop carry no update: every learner holds the parameters already.)"""
+        stop carry no update: every learner holds the parameters already; at the stop its
+        buffers go back to the last update's, as the central server's final state would set
+        them, whatever the forward passes of work left unapplied did to them.)"""
+        if message.kind == Kind.STOP and self._settled is not None:
+            self._load_buffers(self._settled)
         if message.kind != Kind.PARAMS or message.payload is None:
             return
         k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
@@ -135,16 +148,21 @@ class CollectiveExchange:
         if self.clip is not None:
             self.clip(self.optimizer)
         self.optimizer.step()
-        with torch.no_grad():
-            buffers = reduced[n:s]
-            for (a, z), value in zip(self._integers, largest):
-                buffers[a - n:z - n] = value
-            offset = 0
-            for b in self.vectors.buffers:
-                b.copy_(buffers[offset:offset + b.numel()].view_as(b).round() if not b.is_floating_point()
-                        else buffers[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
+        buffers = reduced[n:s]
+        for (a, z), value in zip(self._integers, largest):
+            buffers[a - n:z - n] = value
+        self._load_buffers(buffers)
+        if self._settled is not None:
+            self._settled.copy_(buffers)
         self.schedules.after_update(message.version)
+
+    def _load_buffers(self, flat: Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for b in self.vectors.buffers:
+                part = flat[offset:offset + b.numel()].view_as(b)
+                b.copy_(part.round() if not b.is_floating_point() else part)
+                offset += b.numel()
 
     def _largest_integers(self, taken: list[Tensor]) -> list[Tensor]:
         """Integer buffers (e.g. BatchNorm's batch count) take the largest pushed value."""
