@@ -12,14 +12,22 @@ path. Where the model is:
 
 After fit the module and the optimizer on rank 0 hold the server's final state on every path
 (`ServerCheckpoint.finish`), so Lightning's own slots need nothing from the server.
+
+After a failure on the sharded path (an ``OnExceptionCheckpoint``, say) the owners' slices can no
+longer be gathered: the checkpoint then holds rank 0's learner's parameters (the last version it
+received) without optimizer or scheduler state, and says so in a warning, rather than raising
+inside Lightning's exception handling, which would skip the strategy's teardown.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lightning_stale.engine.distributed.sharded import FINAL, assemble_optimizer_state
 from lightning_stale.engine.state import named_state
+
+log = logging.getLogger(__name__)
 
 
 class ServerCheckpoint:
@@ -30,16 +38,30 @@ class ServerCheckpoint:
         self.strategy = strategy
         self._gathered: tuple | None = None  # (vector, optimizer state, schedulers, version)
         self._requests = FINAL
+        self._warned = False  # about a checkpoint after a failure on the sharded path
 
     @property
     def _live(self) -> bool:
         s = self.strategy
         return s._server is not None and s._final_stats is None
 
+    @property
+    def _lost(self) -> bool:
+        """The run failed on the sharded path: what the owners held cannot be gathered."""
+        s = self.strategy
+        if not (self._live and s.path == "sharded" and s._server.error is not None):
+            return False
+        if not self._warned:
+            self._warned = True
+            log.warning("StaleStrategy: the run failed, so this checkpoint holds rank 0's learner's "
+                        "parameters (version %d) without optimizer or scheduler state: the shard "
+                        "owners' state was lost with the failure", s._learner.version if s._learner else -1)
+        return True
+
     def module_state(self, state_dict: dict) -> dict:
         """``state_dict`` (the module's own) with the server's parameters and buffers."""
         s = self.strategy
-        if not self._live or s.path == "collective":
+        if not self._live or s.path == "collective" or self._lost:
             return state_dict
         if s.path == "sharded":
             vector, *_ = self._gather()
@@ -51,7 +73,7 @@ class ServerCheckpoint:
 
     def optimizer_state(self, own: dict) -> dict:
         s = self.strategy
-        if not self._live or s.path == "collective":
+        if not self._live or s.path == "collective" or self._lost:
             return own
         if s.path == "sharded":
             _, optimizer_state, *_ = self._gather()
@@ -63,7 +85,10 @@ class ServerCheckpoint:
         """The server's books, matching the parameters saved beside them."""
         s = self.strategy
         saved = s._server.state_dict()
-        if s.path == "collective" and s._learner is not None:
+        if self._lost:
+            version = s._learner.version if s._learner is not None else saved["version"]
+            saved.update(version=version, updates=version, schedulers=[])
+        elif s.path == "collective" and s._learner is not None:
             saved.update(version=s._learner.version, updates=s._learner.version,
                          schedulers=s._learner.exchange.schedules.states())
         elif s.path == "sharded" and self._live:

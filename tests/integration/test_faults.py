@@ -182,6 +182,28 @@ def test_an_exception_on_a_learner_ends_every_process_naming_it(runs, case, fail
     assert_books_and_logs(run, trace_learners={0})
 
 
+@pytest.mark.parametrize("case, failed, cause", [
+    # collective: a learner's exception while the other may wait in the update's all-reduce;
+    # every learner's own optimizer steps there, on its main thread
+    ("training_step_collective", 1, "learner 1 failed: ValueError: boom"),
+    ("optimizer_collective", 0, "learner 0 failed: RuntimeError: optimizer step failed"),
+    # sharded: the optimizer steps on the shard owners' threads, one in every process
+    ("optimizer_sharded", None, "the shard server on rank 0 failed: RuntimeError: optimizer step failed"),
+])
+def test_an_exception_on_a_scaled_path_ends_every_process_naming_it(runs, case, failed, cause):
+    run = runs(case)
+    assert run.rank0["stats"]["server_path"] == case.rsplit("_", 1)[1]
+    others = [rank for rank in (0, 1) if rank != failed]
+    assert_ended_at_once(run, cause, ranks=others)
+    assert all(run.exceptions[rank]["type"] == "ServerFailed" for rank in others)
+    if failed is not None:
+        assert cause.split(": ", 1)[1].split(": ", 1)[1] in run.exceptions[failed]["message"]
+    assert_books_and_logs(run, trace_learners={0})
+    # OnExceptionCheckpoint wrote rank 0's parameters, the version its books name
+    checkpoint = run.rank0["checkpoint"]
+    assert checkpoint["matches_server"] and 0 < checkpoint["server"]["updates"] <= run.rank0["stats"]["updates"]
+
+
 # ---------------------------------------------------------------- signals
 
 
@@ -218,6 +240,17 @@ def test_a_killed_server_ends_every_learner(runs):
     assert run.status == -signal.SIGKILL and run.ends == {1: {"raised": "ServerFailed"}}
     assert run.exceptions[1]["type"] == "ServerFailed"
     assert "learner 1: the connection to the server (rank 0) broke" in run.exceptions[1]["message"]
+
+
+def test_a_killed_shard_owner_ends_the_run(runs):
+    """Rank 1's process (a learner and the owner of half the parameters) SIGKILLed."""
+    run = runs("sigkill_child_sharded")
+    assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
+    assert run.status == 1 and run.ends == {0: {"raised": "ServerFailed"}}, run.tail()
+    assert "learner 1 died" in run.exceptions[0]["message"]
+    assert run.rank0["stats"]["server_path"] == "sharded"
+    assert_books_and_logs(run, trace_learners={0})
+    assert "the shard owners' state was lost with the failure" in run.output  # the checkpoint says so
 
 
 def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs):

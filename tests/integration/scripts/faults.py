@@ -55,6 +55,13 @@ CASES = {
     "continue_k_async": (2, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
     "continue_k_batch_sync": (2, signal.SIGKILL, 3, "k_batch_sync", 2, CONTINUE),
     "resume": (None, None, 2, "k_async", 1, {}),
+    # the scaled paths: the learners' own all-reduce and optimizer step (collective), the shard
+    # owners' threads in every process (sharded)
+    "training_step_collective": (1, "training_step", 2, "k_sync", 2, {"server": "collective"}),
+    "optimizer_collective": (0, "optimizer", 2, "k_sync", 2, {"server": "collective"}),
+    "training_step_sharded": (1, "training_step", 2, "k_async", 1, {"server": "sharded"}),
+    "optimizer_sharded": (0, "optimizer", 2, "k_async", 1, {"server": "sharded"}),
+    "sigkill_child_sharded": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "sharded"}),
 }
 INJECTOR, FAULT, DEVICES, VARIANT, K, OPTIONS = CASES[CASE]
 armed = False  # the server's own faults (optimizer, scheduler) fire once this is set
@@ -188,7 +195,8 @@ def report(trainer, wallclock, model):
     ckpt = OUT / "on_exception.ckpt"
     if ckpt.exists() and CASE != "resume":
         saved = torch.load(ckpt, weights_only=False)
-        server = trainer.strategy.core.state.named_state(model)
+        state = trainer.strategy.core.state  # None off the central path: rank 0's module holds it
+        server = state.named_state(model) if state is not None else model.state_dict()
         result["checkpoint"] = {
             "server": saved["stale_server"],
             "matches_server": all(torch.equal(saved["state_dict"][name], value) for name, value in server.items())}
