@@ -34,6 +34,24 @@ def replace_sigterm_broadcast(epoch_loop: Any, check: Any) -> Any:
     return lambda: epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 
+def hand_over_stops_inside_batches(epoch_loop: Any, hand_over: Any) -> Any:
+    """Before Lightning acts on a ``trainer.should_stop`` set during a training batch (by a
+    callback, the LightningModule's own hooks or anything else), in the training epoch loop's
+    ``on_advance_end`` (which validates when stopping; the loop's ``done`` reads the flag next),
+    call ``hand_over()``: True clears the flag, the stop being left to someone else. Returns the
+    undo."""
+    original = epoch_loop.on_advance_end
+
+    def on_advance_end(*args: Any, **kwargs: Any) -> Any:
+        trainer = epoch_loop.trainer
+        if trainer.should_stop and hand_over():
+            trainer.should_stop = False
+        return original(*args, **kwargs)
+
+    epoch_loop.on_advance_end = on_advance_end
+    return lambda: epoch_loop.__dict__.pop("on_advance_end", None)
+
+
 def switch_off_scheduler_stepping(epoch_loop: Any) -> Any:
     """Make Lightning's stepping of the LR schedulers (``_update_learning_rates`` of the training
     epoch loop, called per batch and per epoch) do nothing; returns the undo."""

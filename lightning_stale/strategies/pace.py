@@ -12,8 +12,9 @@ For the same reason a learner must not stop on its own inside an epoch. Lightnin
 at the same batch because callbacks broadcast their decision (``Timer`` for ``max_time``); here
 that broadcast is local, so a learner that stopped alone would validate alone, or at a different
 point than the others, and their collectives would pair up wrongly. So a stop wanted inside a
-training batch is handed to the strategy (`ask_to_stop`), which has the server stop everyone,
-and each learner stops at its own next batch on the server's STOP, validating exactly once.
+training batch (set by a callback or by the module's own hooks) is handed to the strategy
+(`ask_to_stop`) before Lightning acts on it, which has the server stop everyone, and each learner
+stops at its own next batch on the server's STOP, validating exactly once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pytorch_lightning import Callback
+
+from lightning_stale.strategies.lightning_api import hand_over_stops_inside_batches
 
 
 class _Pace(Callback):
@@ -45,17 +48,6 @@ class _Pace(Callback):
         self.strategy.fit_failed(exception)
 
 
-class _StopTogether(Callback):
-    """Last among the callbacks: a stop wanted inside a training batch goes to the strategy."""
-
-    def __init__(self, strategy: OwnPaceCollectives) -> None:
-        self.strategy = strategy
-
-    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        if trainer.should_stop and self.strategy.ask_to_stop():
-            trainer.should_stop = False  # until the server's STOP, which every learner gets
-
-
 class OwnPaceCollectives:
     """Mixin for a DDP-style strategy: collectives are local while learners are out of step."""
 
@@ -64,19 +56,20 @@ class OwnPaceCollectives:
 
     def track_pace(self, trainer: Any) -> Callable[[], None]:
         """Start tracking the phases of ``trainer``'s fit; returns the undo."""
-        pace, together = _Pace(self), _StopTogether(self)
+        pace = _Pace(self)
         trainer.callbacks.insert(0, pace)
-        trainer.callbacks.append(together)
+        undo_stops = hand_over_stops_inside_batches(trainer.fit_loop.epoch_loop, self.ask_to_stop)
         self.lost_learner = False
 
         def undo() -> None:
             trainer.callbacks.remove(pace)
-            trainer.callbacks.remove(together)
+            undo_stops()
         return undo
 
     def ask_to_stop(self) -> bool:
-        """This learner's Trainer wants to stop inside an epoch: True when the stop is left to
-        the server (training goes on until it stops every learner), False to stop here."""
+        """This learner's Trainer wants to stop inside an epoch (``trainer.should_stop`` set
+        during a training batch): True when the stop is left to the server (the flag is cleared
+        and training goes on until the server stops every learner), False to stop here."""
         return False
 
     def fit_failed(self, exception: BaseException) -> None:

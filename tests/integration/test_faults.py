@@ -183,10 +183,10 @@ def test_an_exception_on_a_learner_ends_every_process_naming_it(runs, case, fail
 
 
 @pytest.mark.parametrize("case, failed, cause", [
-    # collective: a learner's exception while the other may wait in the update's all-reduce;
-    # every learner's own optimizer steps there, on its main thread
+    # collective: a learner's exception while the other may wait in the update's all-reduce
+    # (faults.py's "optimizer_collective", an exception in a learner's own optimizer step, takes
+    # the same way out: left out of the suite for time)
     ("training_step_collective", 1, "learner 1 failed: ValueError: boom"),
-    ("optimizer_collective", 0, "learner 0 failed: RuntimeError: optimizer step failed"),
     # sharded: the optimizer steps on the shard owners' threads, one in every process
     ("optimizer_sharded", None, "the shard server on rank 0 failed: RuntimeError: optimizer step failed"),
 ])

@@ -71,6 +71,17 @@ def test_max_time_ends_training_for_every_learner(runs):
     assert 0 < stats["updates"] and books_balance(stats) and min(stats["pushes_per_learner"]) > 0
 
 
+def test_a_stop_set_in_the_modules_own_hook_on_one_learner_stops_every_learner(runs):
+    run = runs["module_stop"]
+    stats = run["stats"]
+    assert run["finished"] and books_balance(stats)
+    # learner 1 asked at its first batch past update 20 (an epoch is 12 updates): the server
+    # stopped both within that epoch, long before max_epochs = 30
+    assert 20 <= stats["updates"] < 36 and run["epoch"] <= 2
+    # one validation per epoch's end, and one more when the stop came inside an epoch
+    assert run["validations"] == stats["epochs"] + 1
+
+
 @pytest.mark.parametrize("path", ["collective", "sharded"])
 def test_batchnorm_state_on_the_scaled_paths(runs, path):
     run = runs[f"batchnorm@{path}"]

@@ -180,6 +180,22 @@ if trainer.global_rank == 0:
 
 
 
+# The module's own on_train_batch_end (after every callback's) stops training on learner 1 only:
+# every learner stops, validating once together, as all DDP ranks would.
+class StopsItself(um.Classifier):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 1 and self.trainer.global_step >= 20:
+            self.trainer.should_stop = True
+
+
+pl.seed_everything(0)
+seen = ValidationLosses()
+trainer = fit(StopsItself(), um.BlobData(), StaleStrategy("async", record_trace=False), [seen], max_epochs=30)
+if trainer.global_rank == 0:
+    results["module_stop"] = {"finished": trainer.state.finished, "stats": trainer.strategy.stats,
+                              "validations": len(seen.losses), "epoch": trainer.current_epoch}
+
+
 class Rates(pl.Callback):
     """(version, lr) on this learner after every push: the collective path steps every
     learner's own scheduler per update."""
