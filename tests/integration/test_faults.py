@@ -158,8 +158,10 @@ def assert_books_and_logs(run, trace_learners, unfinished_updates=0):
 # ---------------------------------------------------------------- exceptions
 
 
+# The optimizer's step raising on the server thread; an LR scheduler's takes the same way out
+# (faults.py's "scheduler" case, left out of the suite for time; test_server_loop.py raises one
+# in the server thread in-process).
 @pytest.mark.parametrize("case, cause", [
-    ("scheduler", "the parameter server failed: RuntimeError: scheduler failed"),
     ("optimizer", "the parameter server failed: RuntimeError: optimizer step failed"),
 ])
 def test_an_exception_on_the_server_thread_ends_every_process(runs, case, cause):
