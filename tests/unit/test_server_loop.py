@@ -75,6 +75,17 @@ def test_k_async_update_averages_and_answers_only_the_pushers():
     assert (record.update, record.samples, record.loss, record.learners) == (1, 16, 2.0, (1, 3))
 
 
+def test_update_times_never_go_back_when_pushes_are_queued_out_of_stamp_order():
+    # two receiving threads: one stamps its push first, the other queues its own first
+    server, endpoint = make_server("async", p=2)
+    now = time.monotonic()
+    push(server, 1, 0, received_at=now + 0.002)
+    push(server, 0, 0, received_at=now + 0.001)
+    push(server, 1, 1, received_at=now + 0.003)
+    clocks = [record.clock for record in server.pop_update_records()]
+    assert len(clocks) == 3 and clocks == sorted(clocks)
+
+
 def test_k_batch_sync_lets_the_pusher_go_on_then_refreshes_everyone():
     server, endpoint = make_server("k_batch_sync", k=2)
     push(server, 2, 0)

@@ -193,7 +193,10 @@ class ParameterServer:
             self._on_broken(event)
 
     def _on_push(self, message: Message) -> None:
-        self._cause = message.received_at or time.monotonic()  # answers count their age from here
+        # Answers count their age from the push's arrival. Two receiving threads can queue pushes
+        # in another order than they stamped them, so the clock the core sees is kept monotone
+        # (an update's time never goes back; the error is that reordering gap, microseconds).
+        self._cause = max(self._cause, message.received_at or time.monotonic())
         unusable = message.error if message.flags & Flag.UNUSABLE else None
         contribution = None if unusable is not None else self.payloads.contribution(message)
         with self.lock:
