@@ -120,7 +120,7 @@ class Inject(pl.Callback):
         self.updates_at_death = None  # rank 0: the server's updates when it lost a learner
 
     def on_train_start(self, trainer, module):
-        (OUT / f"pid_{trainer.global_rank}").write_text(str(os.getpid()))
+        write_json(f"pid_{trainer.global_rank}", os.getpid())  # atomic: the test polls for it
 
     def on_train_epoch_start(self, trainer, module):
         self.epoch_batches = 0

@@ -28,7 +28,9 @@ class Freezer(pl.Callback):
         self.result = {}
 
     def on_train_start(self, trainer, module):
-        (pid_dir / f"pid_{trainer.global_rank}_{trainer.strategy.variant_name}").write_text(str(os.getpid()))
+        name = f"pid_{trainer.global_rank}_{trainer.strategy.variant_name}"
+        (pid_dir / f".{name}.tmp").write_text(str(os.getpid()))
+        os.replace(pid_dir / f".{name}.tmp", pid_dir / name)  # atomic: rank 0's watcher polls for it
         if trainer.global_rank == 0:
             threading.Thread(target=self._freeze, args=(trainer,), daemon=True).start()
 
