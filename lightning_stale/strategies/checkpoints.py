@@ -49,19 +49,15 @@ class ServerCheckpoint:
     def _lost(self) -> bool:
         """The run failed on the sharded path: what the owners held cannot be gathered."""
         s = self.strategy
-        if not (self._live and s.path == "sharded" and s._server.error is not None):
-            return False
-        if not self._warned:
-            self._warned = True
-            log.warning("StaleStrategy: the run failed, so this checkpoint holds rank 0's learner's "
-                        "parameters (version %d) without optimizer or scheduler state: the shard "
-                        "owners' state was lost with the failure", s._learner.version if s._learner else -1)
-        return True
+        return self._live and s.path == "sharded" and s._server.error is not None
 
     def module_state(self, state_dict: dict) -> dict:
         """``state_dict`` (the module's own) with the server's parameters and buffers."""
         s = self.strategy
-        if not self._live or s.path == "collective" or self._lost:
+        if self._lost:  # (Lightning asks for the module's state first: the warning goes here)
+            self._warn_lost()
+            return state_dict
+        if not self._live or s.path == "collective":
             return state_dict
         if s.path == "sharded":
             vector, *_ = self._gather()
@@ -70,6 +66,14 @@ class ServerCheckpoint:
             with s._server.lock:
                 state_dict.update(s._server.core.state.named_state(s.lightning_module))
         return state_dict
+
+    def _warn_lost(self) -> None:
+        if not self._warned:
+            self._warned = True
+            s = self.strategy
+            log.warning("StaleStrategy: the run failed, so this checkpoint holds rank 0's learner's "
+                        "parameters (version %d) without optimizer or scheduler state: the shard "
+                        "owners' state was lost with the failure", s._learner.version if s._learner else -1)
 
     def optimizer_state(self, own: dict) -> dict:
         s = self.strategy

@@ -19,7 +19,8 @@ Three pieces, each undone in the strategy's teardown:
   has started when the run is meant to go on without them (``on_learner_failure="continue"``).
 
 `FaultHandling` is the strategy's side: it installs the trap and the watchdog for a fit, tells
-the server about this process's exception, and hands a stop wanted inside an epoch to the server.
+the server about this process's exception, hands a stop wanted inside an epoch to the server,
+and, after a failure, lets the threads receiving from peers end before the process exits.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, 
 
 log = logging.getLogger(__name__)
 TRAPPED = (signal.SIGTERM, signal.SIGINT)
+# After a failure, how long a process waits for its threads receiving from peers to end (see
+# `FaultHandling.leave_failed_run`; a dead peer's connection errors at once)
+LEAVE_TIMEOUT_S = 5.0
 
 
 class SignalTrap:
@@ -218,6 +222,29 @@ class FaultHandling:
         except (ServerFailed, RunInterrupted):
             self._failure_raised = True
             raise
+
+    def leave_failed_run(self, learner: Learner) -> None:
+        """The run failed: tell every peer this process is leaving (the learner's last ABORT to
+        the server, a goodbye on each of the sharded path's data connections), and wait up to
+        `LEAVE_TIMEOUT_S` for the threads receiving from them to end. A thread still blocked in a
+        gloo receive when Python exits aborts the process ("terminate called without an active
+        exception", SIGABRT) instead of letting it exit with status 1."""
+        leaving = threading.Thread(target=self._say_leaving, args=(learner,), daemon=True,
+                                   name="stale-leaving")  # (a send that blocks must not hang the exit)
+        leaving.start()
+        leaving.join(LEAVE_TIMEOUT_S)
+        stuck = learner.exchange.close(LEAVE_TIMEOUT_S)
+        if self._server is not None:  # every learner heard why; the receivers end on their leaving
+            stuck += self._server.endpoint.join(LEAVE_TIMEOUT_S)
+        if stuck:
+            log.warning("StaleStrategy: threads still receiving from peers after the failure: %s", stuck)
+
+    @staticmethod
+    def _say_leaving(learner: Learner) -> None:
+        try:
+            learner.leave_after_failure()
+        except Exception as exc:  # noqa: BLE001 - the connection may be gone with the server
+            log.debug("could not tell the server that learner %d left: %s", learner.rank, exc)
 
     def check_server(self) -> None:
         """Raise if the server failed (while rank 0 waits for something from it)."""

@@ -410,10 +410,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                     self._collect_stats(unannounced=learner)
                 except Exception as exc:  # noqa: BLE001 - the original error matters more
                     log.warning("StaleStrategy: could not write the trace of the failed run: %s", exc)
-                # every learner hears why (its ABORT), and the receivers of learners that leave
-                # end before the process exits (exiting with one blocked in a gloo receive was
-                # seen to abort the process: "terminate called without an active exception")
-                self._server.endpoint.join(2.0)
+            if failed:
+                self.leave_failed_run(learner)
             if self._server_group is not None and not failed:
                 # (a group whose connections broke is left to the process's exit: destroying
                 # it under a thread blocked in a receive aborts the process)

@@ -26,6 +26,7 @@ class FakeLearnerEndpoint:
         self.wire_seconds = []  # what each round trip took off the server, as slept (sleeps overshoot)
         self.last_heard = time.monotonic()
         self.failure = None
+        self.server_aborted = False
 
     def push(self, message):
         self.pushed.append(message)
@@ -292,6 +293,27 @@ def test_abort_is_sent_once_and_becomes_the_learners_failure():
     learner.abort("learner 1 failed: again")  # the server no longer listens: nothing is sent
     assert [m.kind for m in endpoint.pushed] == [Kind.ABORT]
     assert learner.failure == "learner 1 failed: ValueError: boom"
+
+
+def test_a_learner_leaving_a_failed_run_tells_the_server_once_unless_it_aborted_itself():
+    # the server's thread receiving from this learner ends on that ABORT, before the exit
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.ABORT, error="learner 2 failed: ValueError: bad batch")
+    with pytest.raises(ServerFailed):
+        step(learner)
+    learner.leave_after_failure()
+    assert [m.kind for m in endpoint.pushed] == [Kind.PUSH]  # a server not known to be alive: none
+    endpoint.server_aborted = True  # (the real endpoint's receiving thread sets it on the ABORT)
+    learner.leave_after_failure()
+    learner.leave_after_failure()
+    aborts = [m for m in endpoint.pushed if m.kind == Kind.ABORT]
+    assert len(aborts) == 1
+    assert aborts[0].error == "learner 1 left after the failure: learner 2 failed: ValueError: bad batch"
+    own, endpoint = make_learner()[:2]
+    endpoint.server_aborted = True
+    own.abort("learner 1 failed: ValueError: boom")
+    own.leave_after_failure()  # its own ABORT ended the server's receiver already
+    assert [m.kind for m in endpoint.pushed] == [Kind.ABORT]
 
 
 def test_a_silent_server_is_taken_for_dead():

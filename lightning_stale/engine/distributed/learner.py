@@ -139,6 +139,7 @@ class Learner:
         self._validation_state: torch.Tensor | None = None  # the server's, for validation
         self._own_state: torch.Tensor | None = None  # ours, while validating
         self._raised: str | None = None
+        self._told_server: str | None = None  # the ABORT this learner sent
         self._poll, self._watch = Silence(endpoint), Silence(endpoint)  # this thread's, the watchdog's
 
     # ------------------------------------------------------------------ waiting
@@ -392,7 +393,18 @@ class Learner:
         told the learner about a failure. ``failure`` holds the reason from then on."""
         if self._raised:
             return
-        self._raised = reason
+        self._raised = self._told_server = reason
         self.endpoint.push(Message(Kind.ABORT, version=self.version, error=reason,
                                    flags=Flag.INTERRUPTED if interrupted else 0,
+                                   payload=text_payload(reason)))
+
+    def leave_after_failure(self) -> None:
+        """After the run failed, tell the server this learner is gone (an ABORT, unless it sent
+        its own), so that the server's thread receiving from it ends before the processes exit: a
+        thread left blocked in a gloo receive when Python exits aborts the process (SIGABRT).
+        Only to a server known to be alive (it sent the ABORT): a send to a frozen one blocks."""
+        if self._told_server or self.endpoint.local or not self.endpoint.server_aborted:
+            return
+        self._told_server = reason = f"learner {self.rank} left after the failure: {self.failure}"
+        self.endpoint.push(Message(Kind.ABORT, version=self.version, error=reason,
                                    payload=text_payload(reason)))

@@ -225,7 +225,8 @@ class LearnerEndpoint:
 
     ``last_heard`` is when the server was last heard from (every message counts, heartbeats
     too), ``failure`` why the run failed, as soon as the receiving thread knows (an ABORT, a
-    broken connection), and ``interrupted`` the signal that is stopping the run (an INTERRUPT).
+    broken connection; ``server_aborted`` whether it was an ABORT), and ``interrupted`` the
+    signal that is stopping the run (an INTERRUPT).
     Sends are serialised, so another thread may report a failure while the learner pushes.
     """
 
@@ -238,6 +239,7 @@ class LearnerEndpoint:
         self.last_heard = time.monotonic()
         self.failure: str | None = None
         self.interrupted: str | None = None
+        self.server_aborted = False  # the server said the run failed: its process is alive
         self.inbox: queue.Queue = local_server.local_inbox if local_server is not None else queue.Queue()
         self._thread = None
         if local_server is None:
@@ -265,6 +267,7 @@ class LearnerEndpoint:
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
                     message.error = self.failure = payload_text(message.payload)
+                    self.server_aborted = True
                 elif message.kind == Kind.INTERRUPT:
                     message.error = self.interrupted = payload_text(message.payload)
                 (self.owner if message.kind in OWNER_KINDS else self.inbox).put(message)
