@@ -232,6 +232,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                                            self.optimizers[0], self._schedulers, variant, limits, options,
                                            self._resume, self._clip)
         self._learner, self._resume = learner, None
+        self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
         self.shard_layout = getattr(learner.exchange, "layout", None)
         self.shard_params = learner.vectors.params
         self._checkpoint = ServerCheckpoint(self)
@@ -258,7 +259,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             self.guarded(self._learner.resume)
         if first_micro_batch:
             self._batch_started = time.monotonic()
-            self._buffers_at_start = [b.detach().clone() for b in self._learner.vectors.buffers]
+            with torch.no_grad():  # (into the storage allocated with the learner)
+                for saved, buffer in zip(self._buffers_at_start, self._learner.vectors.buffers):
+                    saved.copy_(buffer)
 
     @override
     def enter_validation(self) -> None:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,16 +114,34 @@ def launch(case, tmp_path, *args, frozen=()):
                frozen_status)
 
 
+# The cases the tests below ask for, in their order: while a test waits for its case, the next
+# one already runs (two launches at a time: most of a launch is waiting, on the fault, on
+# timeouts, on the other process). "resume" starts from a run's checkpoint: launched when asked.
+IN_ORDER = {"optimizer": (), "training_step": (), "callback": (), "training_step_collective": (),
+            "optimizer_sharded": (), "sigterm_launcher": (), "sigterm_child": (), "sigkill_server": (),
+            "sigkill_child_sharded": (), "sigstop_server": (0,), "continue_k_async": (),
+            "continue_k_batch_sync": ()}  # case: its frozen ranks
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Launches a case once for the whole module (the resume test reuses a pre-empted run)."""
-    folder, done = tmp_path_factory.mktemp("faults"), {}
+    """Launches a case once for the whole module (the resume test reuses a pre-empted run), and
+    the next case of IN_ORDER beside it."""
+    folder, started = tmp_path_factory.mktemp("faults"), {}
+    order = list(IN_ORDER)
+    with ThreadPoolExecutor(max_workers=2) as pool:
 
-    def get(case, *args, frozen=()):
-        if case not in done:
-            done[case] = launch(case, folder, *args, frozen=frozen)
-        return done[case]
-    return get
+        def start(case, *args, frozen=()):
+            if case not in started:
+                started[case] = pool.submit(launch, case, folder, *args, frozen=frozen)
+
+        def get(case, *args, frozen=()):
+            start(case, *args, frozen=frozen)
+            if case in IN_ORDER and order.index(case) + 1 < len(order):
+                following = order[order.index(case) + 1]
+                start(following, frozen=IN_ORDER[following])
+            return started[case].result()
+        yield get
 
 
 def assert_ended_at_once(run, cause, ranks=(0, 1)):
@@ -259,7 +278,7 @@ def test_a_killed_shard_owner_ends_the_run(runs):
 
 def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs):
     """Rank 0 stopped with SIGSTOP: its learner hears no heartbeat for server_timeout = 3 s."""
-    run = runs("sigstop_server", frozen={0})
+    run = runs("sigstop_server", frozen=(0,))
     assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
     assert run.gone_after > 2.0  # it heard from the server until the freeze
     assert "learner 1: no message from the server for 3 s" in run.exceptions[1]["message"]
