@@ -120,7 +120,12 @@ def test_frozen_backbone_on_the_sharded_path(runs):
 @pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="`lightning` is not installed"
 )
-def test_a_lightning_pytorch_trainer_runs_the_real_engine(runs):
-    run = runs["lightning"]
+@pytest.mark.parametrize("label, path", [("lightning", "central"), ("lightning@collective", "collective"),
+                                         ("lightning@sharded", "sharded")])
+def test_a_lightning_pytorch_trainer_runs_the_real_engine_on_every_path(runs, label, path):
+    run = runs[label]
     assert run["trainer"] == "lightning.pytorch.trainer.trainer"
+    assert run["stats"]["server_path"] == path
     assert run["stats"]["updates"] == 12 == run["total_steps"] and books_balance(run["stats"])
+    assert run["lr"] == 0.01  # the warm-up (6 of the 12 updates) is over: stepped once per update
+    assert run["val_loss"] == run["val_loss"]  # validated (a number, not NaN)

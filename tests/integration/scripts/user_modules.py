@@ -274,18 +274,24 @@ if trainer.global_rank == 0:
         "stats": trainer.strategy.stats,
     }
 
-# The same processes under a lightning.pytorch Trainer, with the registered name.
+# The same processes under a lightning.pytorch Trainer.
 if importlib.util.find_spec("lightning") is not None:
     import lightning as L
     import lightning_modules as lm
 
-    pl.seed_everything(0)
-    model = lm.LitClassifier()
-    trainer = fit(model, lm.LitBlobs(), "k_async", trainer_cls=L.Trainer, max_steps=12)
-    if trainer.global_rank == 0:
-        results["lightning"] = {
-            "trainer": type(trainer).__module__,
-            "stats": trainer.strategy.stats,
-            "total_steps": model.total_steps,
-        }
+    # the registered name (the central path), then the two scaled paths, forced
+    for label, strategy in [("lightning", "k_async"),
+                            ("lightning@collective", StaleStrategy("k_sync", 2, server="collective")),
+                            ("lightning@sharded", StaleStrategy("k_async", 1, server="sharded"))]:
+        pl.seed_everything(0)
+        model = lm.LitClassifier()
+        trainer = fit(model, lm.LitBlobs(), strategy, trainer_cls=L.Trainer, max_steps=12)
+        if trainer.global_rank == 0:
+            results[label] = {
+                "trainer": type(trainer).__module__,
+                "stats": trainer.strategy.stats,
+                "total_steps": model.total_steps,
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "val_loss": float(trainer.callback_metrics["val/loss"]),
+            }
 write_results(trainer, results)
