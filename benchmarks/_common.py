@@ -59,6 +59,15 @@ def rank_print(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def require_internals(script: str, needed: Iterable[tuple[Any, str]]) -> None:
+    """For a benchmark that wraps the engine's internals: exit naming each (class or module,
+    name) pair that no longer defines that function itself."""
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed
+               if not callable(vars(owner).get(name))]
+    if missing:
+        raise SystemExit(f"{script}: the engine no longer has {missing}; update the script")
+
+
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     """Trainer arguments that keep everything but training out of the measurement."""
     kwargs = dict(accelerator="cpu", logger=False, enable_checkpointing=False,

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from pytorch_lightning import Trainer, seed_everything
 
 from _common import (TinyRegression, apply_process_settings, base_parser, is_rank_zero,
-                     prepare_out, regression_loader, table, trainer_kwargs, write_results)
+                     prepare_out, regression_loader, require_internals, table, trainer_kwargs,
+                     write_results)
 from lightning_stale import StaleStrategy
 from lightning_stale.delays import Exponential
 from lightning_stale.method.theory import expected_iteration_time
@@ -56,9 +57,7 @@ def instrument() -> None:
 
     needed = [(transport, "recv"), (transport.LearnerEndpoint, "push"), (learner_mod.Learner, "_wait"),
               (server_mod.ParameterServer, "_on_push"), (server_mod.ParameterServer, "_send")]
-    missing = [f"{getattr(o, '__name__', o)}.{n}" for o, n in needed if not callable(getattr(o, n, None))]
-    if missing:
-        raise SystemExit(f"latency_breakdown: the engine no longer has {missing}; update the script")
+    require_internals("latency_breakdown", needed)
     now = time.monotonic
     recv, push, wait = transport.recv, transport.LearnerEndpoint.push, learner_mod.Learner._wait
     on_push, send = server_mod.ParameterServer._on_push, server_mod.ParameterServer._send

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from pytorch_lightning import Trainer, seed_everything
 
 from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser, classification_loader,
-                     is_rank_zero, prepare_out, table, trainer_kwargs, write_results)
+                     is_rank_zero, prepare_out, require_internals, table, trainer_kwargs, write_results)
 from scaling import SIZES, RecordTimes, parameters
 
 MAIN_PARTS = ("compute", "pack", "send", "wait", "resolve", "apply", "all_reduce")
@@ -84,9 +84,7 @@ def instrument() -> None:
     from lightning_stale.strategies.stale import StaleStrategy
 
     wrapped = _wrapped()
-    missing = [f"{cls.__name__}.{name}" for cls, name, _ in wrapped if not callable(cls.__dict__.get(name))]
-    if missing:
-        raise SystemExit(f"path_breakdown: the engine no longer has {missing}; update the script")
+    require_internals("path_breakdown", [(cls, name) for cls, name, _ in wrapped])
     for cls, name, part in wrapped:
         setattr(cls, name, _timed(cls.__dict__[name], part))
     all_reduce = dist.all_reduce
@@ -164,11 +162,11 @@ def main() -> None:
             continue
         if variant == "ddp":
             interval = timer.mean_interval_s
+            samples_per_s = 32 * p / interval
         else:
-            t, s = records.rows[args.warmup], records.rows[-1]
-            interval = (s[0] - t[0]) / (len(records.rows) - 1 - args.warmup)
+            interval, samples_per_s = records.rate(args.warmup)
         summary.append({"variant": variant, "server": path, "ms_per_update": 1e3 * interval,
-                        "samples_per_s": 32 * p / interval if variant == "ddp" else (s[1] - t[1]) / (s[0] - t[0])})
+                        "samples_per_s": samples_per_s})
         if variant != "ddp":
             for rank, state in enumerate(gathered):
                 rows.append({"variant": variant, "server": path, "rank": rank,

@@ -58,6 +58,11 @@ class RecordTimes(Callback):
     def on_train_end(self, trainer, *args) -> None:
         self.on_train_batch_end(trainer)
 
+    def rate(self, warmup: int) -> tuple[float, float]:
+        """(seconds per update, samples per second) after the first ``warmup`` updates."""
+        (t0, n0), (t1, n1) = self.rows[warmup], self.rows[-1]
+        return (t1 - t0) / (len(self.rows) - 1 - warmup), (n1 - n0) / (t1 - t0)
+
 
 def modes(p: int) -> list[tuple[str, int | None, str]]:
     half = max(1, p // 2)
@@ -94,9 +99,7 @@ def run_launch(args) -> None:
                 if mode == "ddp":
                     interval, sps, ran = timer.mean_interval_s, p * 32 / timer.mean_interval_s, "ddp"
                 else:
-                    t, s = records.rows[args.warmup], records.rows[-1]
-                    interval = (s[0] - t[0]) / (len(records.rows) - 1 - args.warmup)
-                    sps, ran = (s[1] - t[1]) / (s[0] - t[0]), trainer.strategy.stats["server_path"]
+                    (interval, sps), ran = records.rate(args.warmup), trainer.strategy.stats["server_path"]
                 rows.append({"devices": p, "size": size, "parameters": parameters(SIZES[size]),
                              "mode": mode, "k": k, "requested": path, "path": ran, "repeat": repeat,
                              "ms_per_update": 1e3 * interval, "samples_per_s": sps})
