@@ -117,10 +117,11 @@ def launch(case, tmp_path, *args, frozen=()):
 # The cases the tests below ask for, in their order: while a test waits for its case, the next
 # one already runs (two launches at a time: most of a launch is waiting, on the fault, on
 # timeouts, on the other process). "resume" starts from a run's checkpoint: launched when asked.
-IN_ORDER = {"optimizer": (), "training_step": (), "callback": (), "training_step_collective": (),
-            "optimizer_sharded": (), "sigterm_launcher": (), "sigterm_child": (), "sigkill_server": (),
-            "sigkill_child_sharded": (), "sigstop_server": (0,), "continue_k_async": (),
-            "continue_k_batch_sync": ()}  # case: its frozen ranks
+# Each case maps to its frozen ranks (see `launch`).
+IN_ORDER = {"optimizer": (), "scheduler": (), "training_step": (), "callback": (),
+            "training_step_collective": (), "optimizer_sharded": (), "sigterm_launcher": (),
+            "sigterm_child": (), "sigkill_server": (), "sigkill_child_sharded": (),
+            "sigstop_server": (0,), "continue_k_async": (), "continue_k_batch_sync": ()}
 
 
 @pytest.fixture(scope="module")
@@ -178,11 +179,10 @@ def assert_books_and_logs(run, trace_learners, unfinished_updates=0):
 # ---------------------------------------------------------------- exceptions
 
 
-# The optimizer's step raising on the server thread; an LR scheduler's takes the same way out
-# (faults.py's "scheduler" case, left out of the suite for time; test_server_loop.py raises one
-# in the server thread in-process).
+# The optimizer's step, and an LR scheduler stepped per update, raising on the server thread
 @pytest.mark.parametrize("case, cause", [
     ("optimizer", "the parameter server failed: RuntimeError: optimizer step failed"),
+    ("scheduler", "the parameter server failed: RuntimeError: scheduler failed"),
 ])
 def test_an_exception_on_the_server_thread_ends_every_process(runs, case, cause):
     run = runs(case)

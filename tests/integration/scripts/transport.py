@@ -48,8 +48,9 @@ def server(group, out: str) -> None:
 def learner(group, out: str) -> None:
     endpoint = LearnerEndpoint(1, group, max_numel=LARGE.numel())
     endpoint.push(Message(Kind.PUSH, version=0, samples=8, loss=0.5, payload=SMALL.clone()))
-    endpoint.push(Message(Kind.PUSH, version=0, samples=9, loss=0.25, payload=LARGE.clone()))
+    # (stamped before the push: the server may stamp its arrival before the send returns here)
     sent = time.monotonic()
+    endpoint.push(Message(Kind.PUSH, version=0, samples=9, loss=0.25, payload=LARGE.clone()))
     first = endpoint.inbox.get(timeout=60)
     round_trip = first.received_at - sent
     inbox = [first]
