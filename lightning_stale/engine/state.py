@@ -246,10 +246,13 @@ class ServerState:
         counts as zero), take one optimizer step, combine the buffers, and step the schedulers
         due after update ``update_index``."""
         k = len(contributions)
-        w = torch.ones(k) if weights is None else torch.tensor(list(weights))
-        average = torch.zeros_like(contributions[0].gradient)
-        for weight, c in zip(w.tolist(), contributions):
-            average.add_(c.gradient, alpha=weight / k)
+        scales = [1.0 / k] * k if weights is None else [float(w) / k for w in weights]
+        if scales == [1.0]:  # one gradient as it is (K = 1): no copy, the parameters' grads view it
+            average = contributions[0].gradient
+        else:  # (no zero-filled start: a pass over N values fewer)
+            average = torch.mul(contributions[0].gradient, scales[0])
+            for scale, c in zip(scales[1:], contributions[1:]):
+                average.add_(c.gradient, alpha=scale)
         present = None
         if any(c.present is not None for c in contributions):
             present = torch.zeros(len(self.params), dtype=torch.bool)
