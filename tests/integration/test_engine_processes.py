@@ -175,7 +175,7 @@ def test_the_collective_and_sharded_paths_keep_every_count_and_learn(paths, run)
 def test_a_sharded_checkpoint_gathers_the_model_and_resumes_on_the_central_path(paths):
     saved = paths["sharded_checkpoint"]
     version = saved["saved_server"]["version"]
-    assert 5 <= version < 20 and saved["differs_from_final"]  # written during training
+    assert 2 <= version < 20 and saved["differs_from_final"]  # written during training
     assert saved["adam_states"] == saved["trainable_tensors"]  # every owner's optimizer state
     resumed = saved["resumed"]
     assert resumed["stats"]["server_path"] == "central" and resumed["updates"][0] == version + 1
