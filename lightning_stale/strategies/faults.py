@@ -229,13 +229,17 @@ class FaultHandling:
         `LEAVE_TIMEOUT_S` for the threads receiving from them to end. A thread still blocked in a
         gloo receive when Python exits aborts the process ("terminate called without an active
         exception", SIGABRT) instead of letting it exit with status 1."""
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S  # one bound for all of it
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
         leaving = threading.Thread(target=self._say_leaving, args=(learner,), daemon=True,
                                    name="stale-leaving")  # (a send that blocks must not hang the exit)
         leaving.start()
-        leaving.join(LEAVE_TIMEOUT_S)
-        stuck = learner.exchange.close(LEAVE_TIMEOUT_S)
+        leaving.join(left())
+        stuck = learner.exchange.close(left())
         if self._server is not None:  # every learner heard why; the receivers end on their leaving
-            stuck += self._server.endpoint.join(LEAVE_TIMEOUT_S)
+            stuck += self._server.endpoint.join(left())
         if stuck:
             log.warning("StaleStrategy: threads still receiving from peers after the failure: %s", stuck)
 

@@ -393,10 +393,8 @@ class Learner:
         told the learner about a failure. ``failure`` holds the reason from then on."""
         if self._raised:
             return
-        self._raised = self._told_server = reason
-        self.endpoint.push(Message(Kind.ABORT, version=self.version, error=reason,
-                                   flags=Flag.INTERRUPTED if interrupted else 0,
-                                   payload=text_payload(reason)))
+        self._raised = reason
+        self._tell_server(reason, Flag.INTERRUPTED if interrupted else 0)
 
     def leave_after_failure(self) -> None:
         """After the run failed, tell the server this learner is gone (an ABORT, unless it sent
@@ -405,6 +403,10 @@ class Learner:
         Only to a server known to be alive (it sent the ABORT): a send to a frozen one blocks."""
         if self._told_server or self.endpoint.local or not self.endpoint.server_aborted:
             return
-        self._told_server = reason = f"learner {self.rank} left after the failure: {self.failure}"
-        self.endpoint.push(Message(Kind.ABORT, version=self.version, error=reason,
+        self._tell_server(f"learner {self.rank} left after the failure: {self.failure}")
+
+    def _tell_server(self, reason: str, flags: int = 0) -> None:
+        """This learner's one ABORT: the server's thread receiving from it ends on it."""
+        self._told_server = reason
+        self.endpoint.push(Message(Kind.ABORT, version=self.version, error=reason, flags=flags,
                                    payload=text_payload(reason)))

@@ -30,6 +30,7 @@ import io
 import json
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -287,9 +288,10 @@ class ShardedExchange:
 
     def close(self, timeout: float) -> list[str]:
         """After the stop: this rank's owner has retired; the mesh says goodbye to every peer."""
+        deadline = time.monotonic() + timeout  # one bound for both
         stuck = [] if self.owner.join(timeout) else [f"stale-shard-{self.rank}"]
         self.mesh.close()
-        return stuck + self.mesh.join(timeout)
+        return stuck + self.mesh.join(max(0.0, deadline - time.monotonic()))
 
 
 class ShardedPayloads:
