@@ -263,6 +263,10 @@ class FaultHandling:
         self.guarded(learner.request_stop)
         return True
 
+    def stop_heard(self) -> bool:
+        learner = self._learner
+        return learner is not None and bool(self.guarded(learner.stop_heard))
+
     def note_dead_learners(self, trainer: Any) -> None:
         """A learner died (``on_learner_failure="continue"``): the default process group lost a
         member, so for the rest of this fit Lightning's collectives are answered locally and

@@ -14,7 +14,9 @@ that broadcast is local, so a learner that stopped alone would validate alone, o
 point than the others, and their collectives would pair up wrongly. So a stop wanted inside a
 training batch (set by a callback or by the module's own hooks) is handed to the strategy
 (`ask_to_stop`) before Lightning acts on it, which has the server stop everyone, and each learner
-stops at its own next batch on the server's STOP, validating exactly once.
+stops at its own next batch on the server's STOP, validating exactly once. A STOP that comes
+while an epoch ends reaches some learners before their end of the epoch and others after it;
+the learners agree on it at the epoch's end (`agree_on_stop`).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class _Pace(Callback):
     def on_validation_start(self, *args: Any) -> None:
         self.strategy.local_collectives = self.strategy.lost_learner
 
-    def on_train_epoch_end(self, *args: Any) -> None:
+    def on_train_epoch_end(self, trainer: Any, *args: Any) -> None:
         self.strategy.local_collectives = self.strategy.lost_learner
+        self.strategy.agree_on_stop(trainer)
 
     def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
         # First among the callbacks: the strategy stops its server before the others' hooks read
@@ -71,6 +74,19 @@ class OwnPaceCollectives:
         during a training batch): True when the stop is left to the server (the flag is cleared
         and training goes on until the server stops every learner), False to stop here."""
         return False
+
+    def stop_heard(self) -> bool:
+        """Whether the server's stop has reached this learner."""
+        return False
+
+    def agree_on_stop(self, trainer: Any) -> None:
+        """At an epoch's end, where every learner is in step, the learners agree whether training
+        is over. A stop decided while the epoch ends (a learner asked for it at its last batch)
+        reaches some learners before their end of the epoch and others after it: these would
+        start another epoch and validate alone at its first batch. So any learner that has
+        heard the stop stops them all here (one all-reduce per epoch)."""
+        if not self.local_collectives and self.reduce_boolean_decision(self.stop_heard(), all=False):
+            trainer.should_stop = True
 
     def fit_failed(self, exception: BaseException) -> None:
         """The fit raised ``exception`` on this process (before the other callbacks hear it)."""

@@ -82,6 +82,16 @@ def test_a_stop_set_in_the_modules_own_hook_on_one_learner_stops_every_learner(r
     assert run["validations"] == stats["epochs"] + 1
 
 
+def test_a_stop_asked_at_an_epochs_end_stops_every_learner_in_step(runs):
+    run = runs["epoch_end_stop"]
+    stats = run["stats"]
+    assert run["finished"] and books_balance(stats)
+    assert stats["epochs"] == 2  # asked for during the second epoch's end: no third epoch
+    # every learner validated at each epoch's end, and once more together where the stop
+    # reached them all only after it (at the next epoch's first batch)
+    assert run["validations"] in (2, 3) and run["same"] == [True] * run["validations"]
+
+
 @pytest.mark.parametrize("path", ["collective", "sharded"])
 def test_batchnorm_state_on_the_scaled_paths(runs, path):
     run = runs[f"batchnorm@{path}"]

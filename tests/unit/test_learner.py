@@ -238,6 +238,39 @@ def test_validation_runs_on_the_servers_parameters_then_training_on_the_learners
     assert module.weight.tolist() == [[0.0, 0.0]]  # its own w_0 again
 
 
+def test_a_stop_heard_at_an_epochs_end_waits_untaken_then_closes_the_fit():
+    """The stop that comes while the epoch ends: looked at (the learners agree to stop on it)
+    but not taken before the fit ends; closing takes it, with the final parameters."""
+    learner, endpoint, module = make_learner()
+    endpoint.inbox.put(epoch_end(payload=(7.0, 8.0)))
+    step(learner)
+    assert not learner.stop_heard()  # nothing yet: training goes on after the epoch's end
+    endpoint.inbox.put(Message(Kind.HEARTBEAT, version=0))
+    endpoint.inbox.put(Message(Kind.STOP, version=0, payload=torch.tensor([5.0, 6.0])))
+    assert learner.stop_heard() and learner.stop_heard()  # looked at twice, still there
+    assert not learner.stopped and module.weight.tolist() == [[0.0, 0.0]]
+    learner.close(timeout=0.5)  # no wait: the stop was queued already
+    assert learner.stopped and module.weight.tolist() == [[5.0, 6.0]]
+    assert endpoint.pushed[-1].kind == Kind.BYE
+
+
+def test_a_learner_that_heard_no_stop_takes_what_it_looked_at_when_training_goes_on():
+    learner, endpoint, module = make_learner()
+    endpoint.inbox.put(epoch_end())
+    step(learner)
+    endpoint.inbox.put(Message(Kind.PARAMS, version=3, payload=torch.tensor([2.0, 2.0])))
+    assert not learner.stop_heard()
+    learner.resume()
+    assert learner.version == 3 and module.weight.tolist() == [[2.0, 2.0]]
+
+
+def test_looking_for_the_stop_raises_the_servers_abort_at_once():
+    learner, endpoint, _ = make_learner()
+    endpoint.inbox.put(Message(Kind.ABORT, version=0, error="learner 2 failed: boom"))
+    with pytest.raises(ServerFailed, match="learner 2 failed: boom"):
+        learner.stop_heard()
+
+
 # ---------------------------------------------------------------- failures and leaving
 def test_an_abort_raises_the_servers_reason():
     learner, endpoint, _ = make_learner()

@@ -241,6 +241,17 @@ class Learner:
             self._absorb(self._wait(None))
         self.clock.restart()
 
+    def stop_heard(self) -> bool:
+        """Whether the server's STOP has reached this learner, taken or not. Messages looked at
+        here stay queued, in order, for `resume` or `close` to take (taking parameters now
+        could cross validation's collectives); a failure raises at once."""
+        arrived = self._drain()
+        for m in arrived:
+            if m.kind in (Kind.FAILED, Kind.ABORT):
+                self._absorb([m])  # raises
+        self._deferred += arrived
+        return self.stopped or any(m.kind == Kind.STOP for m in self._deferred)
+
     # ------------------------------------------------------------------ one step
     @property
     def paused(self) -> bool:
@@ -363,6 +374,8 @@ class Learner:
         if self.carried is not None and self.carried.push is not None:
             self.cancelled += 1  # carried past the last epoch: never pushed
         self.carried = None
+        deferred, self._deferred = self._deferred, []
+        self._absorb(deferred)  # a STOP heard at the epoch's end may wait among them
         delays = torch.tensor(self.delays, dtype=torch.float64) if self.delays else None
         self.endpoint.push(Message(Kind.BYE, version=self.version, cancelled=self.cancelled,
                                    payload=delays))

@@ -196,6 +196,30 @@ if trainer.global_rank == 0:
                               "validations": len(seen.losses), "epoch": trainer.current_epoch}
 
 
+# A stop asked for at an epoch's end (learner 0, paused by it already) while learner 1 is still
+# computing its first mini-batch of that epoch: learner 1 hears the epoch's end and the stop
+# together, before its end of the epoch, learner 0 only after its own. Every learner must stop
+# with the others, validating in step (the books gather from all of them).
+class StopsAtAnEpochsEnd(um.Classifier):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.current_epoch == 1 and batch_idx == 0:
+            time.sleep(0.5)  # learner 0 ends the epoch meanwhile (an epoch is 12 updates)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 0 and self.current_epoch == 1 and self.trainer.strategy._learner.paused:
+            self.trainer.should_stop = True
+
+
+pl.seed_everything(0)
+seen, books = ValidationLosses(), Books()
+trainer = fit(StopsAtAnEpochsEnd(), um.BlobData(), StaleStrategy("async", record_trace=False), [seen, books],
+              max_epochs=30)
+if trainer.global_rank == 0:
+    results["epoch_end_stop"] = {"finished": trainer.state.finished, "stats": trainer.strategy.stats,
+                                 "validations": len(seen.losses), "same": books.same}
+
+
 class Rates(pl.Callback):
     """(version, lr) on this learner after every push: the collective path steps every
     learner's own scheduler per update."""
