@@ -114,33 +114,31 @@ def launch(case, tmp_path, *args, frozen=()):
                frozen_status)
 
 
-# The cases the tests below ask for, in their order: while a test waits for its case, the next
-# one already runs (two launches at a time: most of a launch is waiting, on the fault, on
-# timeouts, on the other process). "resume" starts from a run's checkpoint: launched when asked.
-# Each case maps to its frozen ranks (see `launch`).
-IN_ORDER = {"optimizer": (), "scheduler": (), "training_step": (), "callback": (),
-            "training_step_collective": (), "optimizer_sharded": (), "sigterm_launcher": (),
-            "sigterm_child": (), "sigkill_server": (), "sigkill_child_sharded": (),
-            "sigstop_server": (0,), "continue_k_async": (), "continue_k_batch_sync": ()}
+FROZEN = {"sigstop_server": (0,)}  # a case's ranks left stopped by its fault (see `launch`)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """Launches a case once for the whole module (the resume test reuses a pre-empted run), and
-    the next case of IN_ORDER beside it."""
+    the next selected test's case beside it: two launches at a time, most of a launch being
+    waiting (on the fault, on timeouts, on the other process). The order is the collected
+    tests' ``case`` parameters; "resume" starts from a run's checkpoint: launched when asked."""
     folder, started = tmp_path_factory.mktemp("faults"), {}
-    order = list(IN_ORDER)
+    order = []
+    for item in request.session.items:
+        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+        if item.module is request.module and case is not None and case not in order:
+            order.append(case)
     with ThreadPoolExecutor(max_workers=2) as pool:
 
-        def start(case, *args, frozen=()):
+        def start(case, *args):
             if case not in started:
-                started[case] = pool.submit(launch, case, folder, *args, frozen=frozen)
+                started[case] = pool.submit(launch, case, folder, *args, frozen=FROZEN.get(case, ()))
 
-        def get(case, *args, frozen=()):
-            start(case, *args, frozen=frozen)
-            if case in IN_ORDER and order.index(case) + 1 < len(order):
-                following = order[order.index(case) + 1]
-                start(following, frozen=IN_ORDER[following])
+        def get(case, *args):
+            start(case, *args)
+            if case in order and order.index(case) + 1 < len(order):
+                start(order[order.index(case) + 1])
             return started[case].result()
         yield get
 
@@ -244,8 +242,9 @@ def test_a_signal_to_any_process_stops_every_learner_through_the_shutdown_protoc
     assert checkpoint["matches_server"] and checkpoint["server"]["updates"] == run.rank0["stats"]["updates"]
 
 
-def test_a_preempted_run_resumes_from_its_exception_checkpoint(runs):
-    first = runs("sigterm_launcher")
+@pytest.mark.parametrize("case", ["sigterm_launcher"])
+def test_a_preempted_run_resumes_from_its_exception_checkpoint(runs, case):
+    first = runs(case)
     saved = torch.load(first.out / "on_exception.ckpt", weights_only=False)["stale_server"]["updates"]
     assert 15 <= saved < 60
     run = runs("resume", first.out / "on_exception.ckpt")
@@ -257,17 +256,19 @@ def test_a_preempted_run_resumes_from_its_exception_checkpoint(runs):
 # ---------------------------------------------------------------- the server's process
 
 
-def test_a_killed_server_ends_every_learner(runs):
-    run = runs("sigkill_server")
+@pytest.mark.parametrize("case", ["sigkill_server"])
+def test_a_killed_server_ends_every_learner(runs, case):
+    run = runs(case)
     assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
     assert run.status == -signal.SIGKILL and run.ends == {1: {"raised": "ServerFailed"}}
     assert run.exceptions[1]["type"] == "ServerFailed"
     assert "learner 1: the connection to the server (rank 0) broke" in run.exceptions[1]["message"]
 
 
-def test_a_killed_shard_owner_ends_the_run(runs):
+@pytest.mark.parametrize("case", ["sigkill_child_sharded"])
+def test_a_killed_shard_owner_ends_the_run(runs, case):
     """Rank 1's process (a learner and the owner of half the parameters) SIGKILLed."""
-    run = runs("sigkill_child_sharded")
+    run = runs(case)
     assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
     assert run.status == 1 and run.ends == {0: {"raised": "ServerFailed"}}, run.tail()
     assert "learner 1 died" in run.exceptions[0]["message"]
@@ -276,9 +277,10 @@ def test_a_killed_shard_owner_ends_the_run(runs):
     assert "the shard owners' state was lost with the failure" in run.output  # the checkpoint says so
 
 
-def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs):
+@pytest.mark.parametrize("case", ["sigstop_server"])
+def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs, case):
     """Rank 0 stopped with SIGSTOP: its learner hears no heartbeat for server_timeout = 3 s."""
-    run = runs("sigstop_server", frozen=(0,))
+    run = runs(case)
     assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
     assert run.gone_after > 2.0  # it heard from the server until the freeze
     assert "learner 1: no message from the server for 3 s" in run.exceptions[1]["message"]
