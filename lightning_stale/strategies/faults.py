@@ -21,10 +21,13 @@ Three pieces, each undone in the strategy's teardown:
 `FaultHandling` is the strategy's side: it installs the trap and the watchdog for a fit, tells
 the server about this process's exception, hands a stop wanted inside an epoch to the server,
 and, after a failure, lets the threads receiving from peers end before the process exits.
+`destroy_groups_at_exit` has the process groups destroyed at interpreter exit after a clean fit
+(see the README's "Leaving a failed run cleanly").
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
@@ -35,6 +38,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
@@ -44,6 +48,38 @@ TRAPPED = (signal.SIGTERM, signal.SIGINT)
 # After a failure, how long a process waits for its threads receiving from peers to end (see
 # `FaultHandling.leave_failed_run`; a dead peer's connection errors at once)
 LEAVE_TIMEOUT_S = 5.0
+
+
+_AT_EXIT = {"registered": False, "clean": True}
+
+
+def destroy_groups_at_exit(clean: bool) -> None:
+    """Have this process's process groups destroyed when the interpreter exits, while it is
+    still whole, if ``clean``: the latest fit ended without a failure (after one, a group whose
+    connections broke is left to the process's exit: destroying it under a thread blocked in a
+    receive aborts the process). A gloo group left for the interpreter's finalization can abort a
+    process that trained successfully ("terminate called without an active exception"): its
+    worker threads still hold finished work whose tensors are freed then. The README's "Leaving
+    a failed run cleanly" says more."""
+    _AT_EXIT["clean"] = clean
+    if not _AT_EXIT["registered"]:
+        _AT_EXIT["registered"] = True
+        atexit.register(_destroy_groups)
+
+
+def _destroy_groups() -> None:
+    if _AT_EXIT["clean"] and dist.is_available() and dist.is_initialized():
+        # On a thread, waited for LEAVE_TIMEOUT_S at most: exiting never hangs on a peer.
+        destroying = threading.Thread(target=_destroy_quietly, daemon=True, name="stale-exit")
+        destroying.start()
+        destroying.join(LEAVE_TIMEOUT_S)
+
+
+def _destroy_quietly() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the process is exiting anyway
+        log.debug("could not destroy the process groups at exit: %s", exc)
 
 
 class SignalTrap:

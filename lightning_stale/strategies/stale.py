@@ -24,7 +24,7 @@ from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.checkpoints import ServerCheckpoint
-from lightning_stale.strategies.faults import FaultHandling, watched_launcher
+from lightning_stale.strategies.faults import FaultHandling, destroy_groups_at_exit, watched_launcher
 from lightning_stale.strategies.lightning_api import process_group_backend, replace_sigterm_broadcast, set_global_step
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.pace import OwnPaceCollectives
@@ -420,6 +420,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                 # it under a thread blocked in a receive aborts the process)
                 dist.destroy_process_group(self._server_group)
             self._server_group = None
+            if dist.is_available() and dist.is_initialized():
+                destroy_groups_at_exit(clean=not failed)
         finally:
             self.undo_patches()
             self.local_collectives = False

@@ -4,6 +4,8 @@ processes, are in tests/integration/test_faults.py."""
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -115,3 +117,22 @@ def test_a_fit_failing_before_training_writes_no_wall_clock_log(tmp_path):
     wall.setup(trainer, None, "fit")
     wall.on_exception(trainer, None, ValueError("in configure_optimizers"))
     assert list(tmp_path.iterdir()) == []
+
+
+EXITING = """
+import torch.distributed as dist
+from lightning_stale.strategies.faults import destroy_groups_at_exit
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda *args: (print("destroyed", flush=True), destroy(*args))
+destroy_groups_at_exit(clean=True)
+destroy_groups_at_exit(clean={clean})  # the latest fit decides; registered once
+"""
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_the_process_groups_are_destroyed_at_exit_after_a_clean_fit_only(clean, tmp_path):
+    code = EXITING.format(store=tmp_path / "store", clean=clean)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == (["destroyed"] if clean else [])
