@@ -50,6 +50,14 @@ TRAPPED = (signal.SIGTERM, signal.SIGINT)
 LEAVE_TIMEOUT_S = 5.0
 
 
+def run_bounded(target: Callable[..., Any], *args: Any, name: str, timeout: float) -> None:
+    """Run ``target(*args)`` on a daemon thread and wait ``timeout`` seconds at most: leaving a
+    run must not hang on a peer that stopped answering."""
+    thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+    thread.start()
+    thread.join(timeout)
+
+
 _AT_EXIT = {"registered": False, "clean": True}
 
 
@@ -69,10 +77,7 @@ def destroy_groups_at_exit(clean: bool) -> None:
 
 def _destroy_groups() -> None:
     if _AT_EXIT["clean"] and dist.is_available() and dist.is_initialized():
-        # On a thread, waited for LEAVE_TIMEOUT_S at most: exiting never hangs on a peer.
-        destroying = threading.Thread(target=_destroy_quietly, daemon=True, name="stale-exit")
-        destroying.start()
-        destroying.join(LEAVE_TIMEOUT_S)
+        run_bounded(_destroy_quietly, name="stale-exit", timeout=LEAVE_TIMEOUT_S)  # never hangs on a peer
 
 
 def _destroy_quietly() -> None:
@@ -269,10 +274,7 @@ class FaultHandling:
 
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
-        leaving = threading.Thread(target=self._say_leaving, args=(learner,), daemon=True,
-                                   name="stale-leaving")  # (a send that blocks must not hang the exit)
-        leaving.start()
-        leaving.join(left())
+        run_bounded(self._say_leaving, learner, name="stale-leaving", timeout=left())  # a send may block
         stuck = learner.exchange.close(left())
         if self._server is not None:  # every learner heard why; the receivers end on their leaving
             stuck += self._server.endpoint.join(left())
