@@ -63,13 +63,15 @@ _AT_EXIT = {"registered": False, "clean": True}
 
 def destroy_groups_at_exit(clean: bool) -> None:
     """Have this process's process groups destroyed when the interpreter exits, while it is
-    still whole, if ``clean``: the latest fit ended without a failure (after one, a group whose
-    connections broke is left to the process's exit: destroying it under a thread blocked in a
-    receive aborts the process). A gloo group left for the interpreter's finalization can abort a
-    process that trained successfully ("terminate called without an active exception"): its
-    worker threads still hold finished work whose tensors are freed then. The README's "Leaving
+    still whole, if every teardown in this process was ``clean``. One failure is enough to
+    leave them to the process's exit for good: a group whose connections broke, destroyed under
+    a thread blocked in a receive, aborts the process, and a later clean teardown (say a
+    ``trainer.validate`` after a failed fit) does not mend those connections. A gloo group left
+    for the interpreter's finalization can abort a process that trained successfully
+    ("terminate called without an active exception"): its worker threads still hold finished
+    work whose tensors are freed then. The README's "Leaving
     a failed run cleanly" says more."""
-    _AT_EXIT["clean"] = clean
+    _AT_EXIT["clean"] = _AT_EXIT["clean"] and clean
     if not _AT_EXIT["registered"]:
         _AT_EXIT["registered"] = True
         atexit.register(_destroy_groups)

@@ -125,14 +125,17 @@ from lightning_stale.strategies.faults import destroy_groups_at_exit
 dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
 destroy = dist.destroy_process_group
 dist.destroy_process_group = lambda *args: (print("destroyed", flush=True), destroy(*args))
-destroy_groups_at_exit(clean=True)
-destroy_groups_at_exit(clean={clean})  # the latest fit decides; registered once
+for clean in {teardowns}:  # registered once, however many teardowns
+    destroy_groups_at_exit(clean=clean)
 """
 
 
-@pytest.mark.parametrize("clean", [True, False])
-def test_the_process_groups_are_destroyed_at_exit_after_a_clean_fit_only(clean, tmp_path):
-    code = EXITING.format(store=tmp_path / "store", clean=clean)
+@pytest.mark.parametrize("teardowns", [[True, True], [True, False], [False, True]],
+                         ids=["all-clean", "failed-last", "clean-after-a-failure"])
+def test_the_process_groups_are_destroyed_at_exit_only_if_no_teardown_failed(teardowns, tmp_path):
+    """A clean teardown after a failed one (a validate after a failed fit) must not have the
+    broken groups destroyed at exit."""
+    code = EXITING.format(store=tmp_path / "store", teardowns=teardowns)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == (["destroyed"] if clean else [])
+    assert done.stdout.split() == (["destroyed"] if all(teardowns) else [])
