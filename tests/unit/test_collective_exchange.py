@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_stale.engine.distributed.collective import CollectiveExchange
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors
 
@@ -92,3 +92,22 @@ def test_epoch_end_and_stop_see_the_buffers_of_the_last_update(group):
 
     ex.take(Message(Kind.STOP, version=1))
     assert torch.equal(vectors.state_vector(), settled)
+
+
+def test_an_unusable_push_is_never_taken_nor_recycled(group):
+    # A 16-mixed overflow: the push goes out as a header without a gradient (the server drops it
+    # as "overflow"). A K-batch-sync learner then pushes a usable one, and the update takes that.
+    module, optimizer, vectors, ex = exchange()
+    overflow = Message(Kind.PUSH, flags=Flag.UNUSABLE, error="overflow")
+    ex.before_push(overflow)  # (the learner fills no payload for it)
+    before = vectors.state_vector()[:vectors.numel]
+    grad = backward_and_push(module, optimizer, ex, 5, True)
+    update(ex, k=1, mine=1, version=1)
+    assert torch.allclose(vectors.state_vector()[:vectors.numel], before - 0.1 * grad, atol=1e-6)
+    # an overflow the update leaves, then updates this learner contributes nothing to (zeros)
+    ex.before_push(Message(Kind.PUSH, flags=Flag.UNUSABLE, error="overflow"))
+    for version in (2, 3):
+        settled = vectors.state_vector()[:vectors.numel]
+        update(ex, k=1, mine=0, version=version)
+        assert torch.equal(vectors.state_vector()[:vectors.numel], settled)
+    assert all(isinstance(v, torch.Tensor) for v in ex._spare)

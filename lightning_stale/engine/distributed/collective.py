@@ -106,8 +106,11 @@ class CollectiveExchange:
         message.payload, _ = self.vectors.push_vector(mask=True, device=self.device, out=spare)
 
     def before_push(self, message: Message) -> None:
-        """The gradient stays here until an update takes it; only the header travels."""
-        self._pending.append(message.payload)
+        """The gradient stays here until an update takes it; only the header travels. (An
+        unusable push, e.g. a 16-mixed overflow, has none: the server drops it, no update takes
+        it.)"""
+        if message.payload is not None:
+            self._pending.append(message.payload)
         message.payload = None
 
     def resolve(self, message: Message, check) -> None:
