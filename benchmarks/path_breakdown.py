@@ -6,7 +6,8 @@ this benchmark's processes only and adding up the time each thread spends inside
 ``--warmup`` updates. A learner's main thread, per push (ms):
 
 * ``compute``: Lightning's closure (forward, backward, the hooks around them);
-* ``pack``: the gradients flattened into one push vector (``exchange.fill_push``);
+* ``pack``: the gradients flattened into one push vector (``exchange.fill_push``, or on the
+  collective path ``exchange.after_push``, once the header has left);
 * ``send``: handing the push over (``exchange.before_push`` and ``LearnerEndpoint.push``:
   central: the vector to the gloo sender thread or, on rank 0, the in-process queue; sharded:
   the pieces to the mesh's sender threads; collective: the header only);
@@ -64,7 +65,8 @@ def _wrapped():
              (sharded.ShardOwner, "_apply", "owner apply"), (sharded.ShardOwner, "_take", "owner wait"),
              (sharded.ShardOwner, "_send", "owner send")]
             + [(e, method, part) for e in exchanges for method, part in
-               (("fill_push", "pack"), ("before_push", "send"), ("resolve", "resolve"), ("take", "apply"))])
+               (("fill_push", "pack"), ("after_push", "pack"), ("before_push", "send"), ("resolve", "resolve"),
+                ("take", "apply"))])
 
 
 def _timed(function, part: str):

@@ -43,6 +43,8 @@ def backward_and_push(module, optimizer, ex, seed, set_to_none):
     push = Message(Kind.PUSH)
     ex.fill_push(push)
     ex.before_push(push)
+    assert push.payload is None  # only the header travels
+    ex.after_push(push)
     return grad
 
 
@@ -100,12 +102,15 @@ def test_an_unusable_push_is_never_taken_nor_recycled(group):
     module, optimizer, vectors, ex = exchange()
     overflow = Message(Kind.PUSH, flags=Flag.UNUSABLE, error="overflow")
     ex.before_push(overflow)  # (the learner fills no payload for it)
+    ex.after_push(overflow)
     before = vectors.state_vector()[:vectors.numel]
     grad = backward_and_push(module, optimizer, ex, 5, True)
     update(ex, k=1, mine=1, version=1)
     assert torch.allclose(vectors.state_vector()[:vectors.numel], before - 0.1 * grad, atol=1e-6)
     # an overflow the update leaves, then updates this learner contributes nothing to (zeros)
-    ex.before_push(Message(Kind.PUSH, flags=Flag.UNUSABLE, error="overflow"))
+    overflow = Message(Kind.PUSH, flags=Flag.UNUSABLE, error="overflow")
+    ex.before_push(overflow)
+    ex.after_push(overflow)
     for version in (2, 3):
         settled = vectors.state_vector()[:vectors.numel]
         update(ex, k=1, mine=0, version=version)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, load_gradients
 from lightning_stale.method.rules import Update
@@ -102,16 +102,23 @@ class CollectiveExchange:
                          if vectors.buffers else None)
 
     def fill_push(self, message: Message) -> None:
-        spare = self._spare.pop() if self._spare else None
-        message.payload, _ = self.vectors.push_vector(mask=True, device=self.device, out=spare)
+        """Nothing yet: the gradient stays here, and only the header travels, so the gradients
+        are packed after the header has left (`after_push`), while the server decides. (They
+        stay in the parameters' ``.grad`` until then: only the next backward or the update's
+        step changes them, and both come after the answer.) Work cancelled before its push is
+        never packed."""
 
     def before_push(self, message: Message) -> None:
-        """The gradient stays here until an update takes it; only the header travels. (An
-        unusable push, e.g. a 16-mixed overflow, has none: the server drops it, no update takes
-        it.)"""
-        if message.payload is not None:
-            self._pending.append(message.payload)
-        message.payload = None
+        pass
+
+    def after_push(self, message: Message) -> None:
+        """The gradient, packed now and kept until an update takes it. (An unusable push, e.g. a
+        16-mixed overflow, has none: the server drops it, no update takes it.)"""
+        if message.flags & Flag.UNUSABLE:
+            return
+        spare = self._spare.pop() if self._spare else None
+        vector, _ = self.vectors.push_vector(mask=True, device=self.device, out=spare)
+        self._pending.append(vector)
 
     def resolve(self, message: Message, check) -> None:
         """An epoch's end: validation runs on the parameters and buffers of the last update (the

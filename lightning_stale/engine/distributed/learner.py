@@ -87,6 +87,9 @@ class CentralExchange:
     def before_push(self, message: Message) -> None:
         """The push leaves now (not when cancelled work is thrown away)."""
 
+    def after_push(self, message: Message) -> None:
+        """The push has left; the answer has not been waited for yet."""
+
     def resolve(self, message: Message, check: Callable[[], None]) -> None:
         """Complete a message's parameters, where they come in parts."""
 
@@ -320,6 +323,7 @@ class Learner:
         self.exchange.before_push(work.push)
         self.clock.pushed()
         self.endpoint.push(work.push)
+        self.exchange.after_push(work.push)
         if not self.waits_for_answer:
             return False
         return self._await_answer()

@@ -253,6 +253,9 @@ class ShardedExchange:
                                           flags=message.flags & Flag.MASKED,
                                           payload=self.layout.piece(vector, owner, masked)))
 
+    def after_push(self, message: Message) -> None:
+        pass
+
     def put_slice(self, owner: int, message: Message) -> None:
         empty = torch.zeros(0, dtype=self.vectors.dtype)  # an owner of no tensor sends nothing
         with self._arrived:
