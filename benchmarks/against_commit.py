@@ -1,0 +1,139 @@
+"""The engine of one commit against another's, side by side: "is this variant slower than before?"
+
+Scaling issue's small-model target: at 0.02M parameters no variant slower than before. One
+launch on this shared machine cannot answer that (a variant's ratio to ddp moves by a quarter
+between repeats), so this script alternates launches of the two codes: each commit's
+``lightning_stale`` is exported with ``git archive`` into a temporary folder and put first on
+``PYTHONPATH``, and every launch runs stock ``ddp`` and the chosen variants interleaved
+``--repeats`` times on the same model (the MLP 64-``--hidden``-10 of ``overhead_vs_ddp.py``,
+batch 32, no injected delay). Reported per variant and code: the median over all repeats of
+samples/s over ddp's samples/s in the same repeat, and a two-sided Mann-Whitney U test of the
+two codes' ratios (scipy).
+
+Samples/s as in ``overhead_vs_ddp.py``: for ddp P x batch / mean time between steps; for a
+variant the samples of the gradients applied / the server's mean update interval. K = P for
+``sync``/``k_sync``, K = P/2 for the other K-variants, K = 1 for ``async``.
+
+    python benchmarks/against_commit.py --base c66ab33 [--head HEAD] [--modes k_batch_sync sync]
+        [--devices 2] [--launches 3] [--repeats 6] [--steps 300] [--hidden 256]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser, classification_loader,
+                     is_rank_zero, prepare_out, table, trainer_kwargs, write_results)
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")
+
+
+def k_of(mode: str, p: int) -> int:
+    return p if mode in ("sync", "k_sync") else 1 if mode == "async" else max(1, p // 2)
+
+
+def run_launch(args) -> None:
+    """One process tree: ddp and every mode, interleaved ``--repeats`` times (whichever
+    ``lightning_stale`` is first on the path)."""
+    from pytorch_lightning import Trainer, seed_everything
+
+    from lightning_stale import StaleStrategy
+
+    p, rows = args.devices, []
+    for repeat in range(args.repeats):
+        for mode in ("ddp", *args.modes):
+            seed_everything(args.seed, verbose=False)
+            model = MLPClassifier(features=64, hidden=(args.hidden,), classes=10, lr=0.05)
+            loader = classification_loader(32 * p * (args.steps + 50) * 2, batch_size=32, seed=args.seed)
+            timer = StepTimer(warmup=10)
+            strategy = ("ddp" if mode == "ddp" else
+                        StaleStrategy(mode, k_of(mode, p), delay=None, seed=args.seed, record_trace=False))
+            trainer = Trainer(devices=p, strategy=strategy, max_steps=args.steps, callbacks=[timer],
+                              **trainer_kwargs())
+            trainer.fit(model, train_dataloaders=loader)
+            if not is_rank_zero():
+                continue
+            if mode == "ddp":
+                samples_per_s = p * 32 / timer.mean_interval_s
+            else:
+                stats = trainer.strategy.stats
+                samples_per_s = (stats["gradients_applied"] * 32 / max(1, stats["updates"])
+                                 / stats["mean_update_interval_s"])
+            rows.append({"repeat": repeat, "mode": mode, "samples_per_s": samples_per_s})
+    if is_rank_zero():
+        Path(args.child_result).write_text(json.dumps(rows))
+
+
+def export(rev: str, into: Path) -> str:
+    """``rev``'s package in a folder of its own; returns the full commit id."""
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", rev], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "lightning_stale"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return commit
+
+
+def ratios(rows: list[dict], mode: str) -> list[float]:
+    ddp = {r["repeat"]: r["samples_per_s"] for r in rows if r["mode"] == "ddp"}
+    return [r["samples_per_s"] / ddp[r["repeat"]] for r in rows if r["mode"] == mode]
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="the earlier commit (any git revision)")
+    parser.add_argument("--head", default="HEAD", help="the commit to compare with it")
+    parser.add_argument("--modes", nargs="+", default=["k_batch_sync", "sync"], choices=VARIANTS)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--launches", type=int, default=3, help="launches per commit, alternating")
+    parser.add_argument("--repeats", type=int, default=6, help="interleaved repeats per launch")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--hidden", type=int, default=256, help="0.02M parameters at 256")
+    parser.add_argument("--child-result", default=None, help=__import__("argparse").SUPPRESS)
+    args = parser.parse_args()
+    apply_process_settings(args)
+    if args.child_result is not None:
+        return run_launch(args)
+
+    from scipy.stats import mannwhitneyu
+
+    out, start = prepare_out(args.out), time.monotonic()
+    collected: dict[str, list[dict]] = {"base": [], "head": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {side: Path(tmp) / side for side in collected}
+        commits = {side: export(getattr(args, side), trees[side]) for side in collected}
+        for launch in range(args.launches):
+            for side, tree in trees.items():
+                result = Path(tmp) / f"{side}-{launch}.json"
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+                subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
+                                "--child-result", str(result)], check=True, env=env)
+                for row in json.loads(result.read_text()):
+                    collected[side].append({**row, "repeat": (launch, row["repeat"])})
+    rows = []
+    for mode in args.modes:
+        base, head = ratios(collected["base"], mode), ratios(collected["head"], mode)
+        rows.append({"mode": mode, "k": k_of(mode, args.devices), "base_vs_ddp": statistics.median(base),
+                     "head_vs_ddp": statistics.median(head), "head_over_base": statistics.median(head) /
+                     statistics.median(base), "mann_whitney_p": float(mannwhitneyu(base, head).pvalue),
+                     "repeats": len(base), "base_per_repeat": " ".join(f"{x:.2f}" for x in base),
+                     "head_per_repeat": " ".join(f"{x:.2f}" for x in head)})
+    print(f"\nbase {commits['base'][:7]} against head {commits['head'][:7]}, P = {args.devices}, "
+          f"MLP 64-{args.hidden}-10, {args.launches} launches of each, {args.repeats} repeats per launch; "
+          "samples/s over ddp's in the same repeat, median")
+    print(table(rows, ["mode", "k", "base_vs_ddp", "head_vs_ddp", "head_over_base", "mann_whitney_p", "repeats"]))
+    write_results(out, "against_commit", rows, {"base": commits["base"], "head": commits["head"],
+                                                 "wall_s": time.monotonic() - start})
+
+
+if __name__ == "__main__":
+    main()
