@@ -21,8 +21,8 @@ Three pieces, each undone in the strategy's teardown:
 `FaultHandling` is the strategy's side: it installs the trap and the watchdog for a fit, tells
 the server about this process's exception, hands a stop wanted inside an epoch to the server,
 and, after a failure, lets the threads receiving from peers end before the process exits.
-`destroy_groups_at_exit` has the process groups destroyed at interpreter exit after a clean fit
-(see the README's "Leaving a failed run cleanly").
+`destroy_groups_at_exit` has the process groups destroyed at interpreter exit if no fit or
+evaluation in the process failed (see the README's "Leaving a failed run cleanly").
 """
 
 from __future__ import annotations
