@@ -8,7 +8,10 @@ between repeats), so this script alternates launches of the two codes: each comm
 ``--repeats`` times on the same model (the MLP 64-``--hidden``-10 of ``overhead_vs_ddp.py``,
 batch 32, no injected delay). Reported per variant and code: the median over all repeats of
 samples/s over ddp's samples/s in the same repeat, and a two-sided Mann-Whitney U test of the
-two codes' ratios (scipy).
+two codes' ratios (scipy). Each code runs as its users get it: where it has one, every mode of a
+launch (ddp included) runs under the allocator setting the strategy makes
+(`engine.distributed.allocator`, applied by `_common.apply_process_settings`); before, under
+glibc's defaults.
 
 Samples/s as in ``overhead_vs_ddp.py``: for ddp P x batch / mean time between steps; for a
 variant the samples of the gradients applied / the server's mean update interval. K = P for

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_stale.delays.models import DelayModel
 from lightning_stale.engine.core import ServerCore, ServerLimits
+from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 from lightning_stale.engine.distributed.ranks import RankOptions, build_rank, check_path, choose_path
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
@@ -81,6 +82,11 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         server_timeout: seconds of silence after which a learner takes the server for dead (the
             server sends heartbeats when idle).
         shutdown_timeout: seconds to wait for every learner to leave at the end of training.
+        hold_freed_memory: from the first fit on, keep the memory this process frees for
+            reuse instead of handing it back to the system (glibc's ``mallopt``; nothing
+            elsewhere): a fresh vector of the model's size per push and answer otherwise costs
+            a page fault per page (`engine.distributed.allocator`). It stays set for the
+            process's life. False leaves the allocator alone.
         Other arguments are `DDPStrategy`'s (accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout,
         start_method).
@@ -108,7 +114,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                  staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
                  adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
-                 shutdown_timeout: float = 60.0, **ddp_kwargs: Any) -> None:
+                 shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
         if on_learner_failure not in LEARNER_FAILURE_MODES:
@@ -117,6 +123,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         if on_learner_failure == "continue" and variant == "sync":
             raise ValueError("on_learner_failure='continue' cannot apply to variant 'sync': every "
                              "update waits for every learner; use a K-variant with K < P")
+        if not isinstance(hold_freed_memory, bool):
+            raise ValueError(f"hold_freed_memory must be True or False, got {hold_freed_memory!r}")
         for name, value in (("server_timeout", server_timeout), ("shutdown_timeout", shutdown_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -131,6 +139,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.server = server
         self.delay_mode, self.on_learner_failure = delay_mode, on_learner_failure
         self.server_timeout, self.shutdown_timeout = float(server_timeout), float(shutdown_timeout)
+        self.hold_freed_memory = hold_freed_memory
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
@@ -198,6 +207,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         # learners in lock-step; signals are the server's business here (see faults.py).
         self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop, lambda: None))
         self._undo.append(self.track_pace(trainer))
+        if self.hold_freed_memory:  # whole-model vectors on every push and answer
+            allocator.hold_freed_memory()
         self.validate_on_server_state(trainer)
         self.show_progress(trainer)
 
