@@ -78,8 +78,15 @@ def test_a_stop_set_in_the_modules_own_hook_on_one_learner_stops_every_learner(r
     # learner 1 asked at its first batch past update 20 (an epoch is 12 updates): the server
     # stopped both within that epoch, long before max_epochs = 30
     assert 20 <= stats["updates"] < 36 and run["epoch"] <= 2
-    # one validation per epoch's end, and one more when the stop came inside an epoch
-    assert run["validations"] == stats["epochs"] + 1
+    # one validation per epoch's end, and one more when the stop came inside an epoch. The stop
+    # can also reach the learners during an epoch's end (learner 1 may first see update 20 at
+    # update 23, and the 24th ends the epoch): they all stop there, with no further validation.
+    extra = run["validations"] - stats["epochs"]
+    assert extra in (0, 1)
+    if stats["updates"] > 12 * stats["epochs"]:  # stopped inside an epoch
+        assert extra == 1
+    if extra == 0:  # stopped at an epoch's end
+        assert stats["updates"] == 12 * stats["epochs"]
 
 
 def test_a_stop_asked_at_an_epochs_end_stops_every_learner_in_step(runs):
