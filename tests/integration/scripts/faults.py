@@ -144,9 +144,13 @@ class Inject(pl.Callback):
 
     def _ready(self, trainer):
         if OPTIONS == CONTINUE:
-            # Killed while training, early in an epoch: a learner that dies while the others
-            # validate at an epoch's end ends the run even under "continue" (README, "Faults").
-            return trainer.current_epoch >= 1 and trainer.global_step >= 12 and self.epoch_batches == 2
+            # Killed while training, well inside an epoch (12 updates each): the parameters it
+            # holds are 2 to 6 updates past an epoch's start. A learner that dies while the others
+            # validate at an epoch's end ends the run even under "continue" (README, "Faults"),
+            # and a learner starved of CPU can be at its second batch of an epoch, by its own
+            # count, when the others already reach that epoch's end.
+            return (trainer.current_epoch >= 1 and trainer.global_step >= 12 and self.epoch_batches >= 2
+                    and 2 <= trainer.global_step % 12 <= 6)
         if trainer.global_step < FAULT_AT or self.batches < 3:
             return False
         core = trainer.strategy.core  # on rank 0: wait until every learner is training
