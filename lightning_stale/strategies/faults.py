@@ -69,8 +69,7 @@ def destroy_groups_at_exit(clean: bool) -> None:
     ``trainer.validate`` after a failed fit) does not mend those connections. A gloo group left
     for the interpreter's finalization can abort a process that trained successfully
     ("terminate called without an active exception"): its worker threads still hold finished
-    work whose tensors are freed then. The README's "Leaving
-    a failed run cleanly" says more."""
+    work whose tensors are freed then. The README's "Leaving a failed run cleanly" says more."""
     _AT_EXIT["clean"] = _AT_EXIT["clean"] and clean
     if not _AT_EXIT["registered"]:
         _AT_EXIT["registered"] = True

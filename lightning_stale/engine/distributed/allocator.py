@@ -2,9 +2,9 @@
 
 Every push, answer and parameter snapshot of the central path is a fresh vector of the model's
 size (of the sharded path, a slice of one), allocated while the previous ones are still alive
-(queued for a send, held by an update). glibc's malloc serves an allocation that large with ``mmap`` (always above 32 MB,
-its largest threshold) and trims the heap's free top back to the system, so such vectors keep
-arriving as fresh pages, each faulted in on first write: 3 to 4 ms per 14 MB on the machine of
+(queued for a send, held by an update). glibc's malloc serves an allocation that large with
+``mmap`` (always above 32 MB, its largest threshold) and trims the heap's free top back to the
+system, so such vectors keep arriving as fresh pages, each faulted in on first write: 3 to 4 ms per 14 MB on the machine of
 the README's benchmarks, on the server thread and the receiving threads, beside the copy itself
 (0.6 ms). `hold_freed_memory` turns that off (``mallopt``: no ``mmap`` for blocks, no trimming),
 so freed vectors are reused in place; the README's "Where each path's time goes" has the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 from typing import Callable
@@ -47,6 +48,7 @@ def _mallopt() -> Callable[[int, int], int] | None:
     return mallopt
 
 
+@functools.cache  # once per process: every fit asks, and benchmarks ask before the first
 def hold_freed_memory() -> bool:
     """Keep memory freed by this process for reuse from now on (see the module docstring);
     whether the allocator took the setting (False off glibc)."""

@@ -104,9 +104,11 @@ class CollectiveExchange:
     def fill_push(self, message: Message) -> None:
         """Nothing yet: the gradient stays here, and only the header travels, so the gradients
         are packed after the header has left (`after_push`), while the server decides. (They
-        stay in the parameters' ``.grad`` until then: only the next backward or the update's
-        step changes them, and both come after the answer.) Work cancelled before its push is
-        never packed."""
+        stay in the parameters' ``.grad`` until then: only the next backward or an update's step
+        changes them, and the learner calls `after_push` right after sending the header, before
+        it waits for an answer or, in K-batch-sync, goes on to its next mini-batch; a push
+        carried over an epoch's end is sent at the next epoch's first batch, before its
+        backward.) Work cancelled before its push is never packed."""
 
     def before_push(self, message: Message) -> None:
         pass

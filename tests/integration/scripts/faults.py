@@ -116,7 +116,7 @@ class Inject(pl.Callback):
     """Writes this process's pid, arms or injects the fault, and records how this process ends."""
 
     def __init__(self):
-        self.batches = self.epoch_batches = 0
+        self.batches = self.epoch_batches = self.epoch_start_step = 0
         self.updates_at_death = None  # rank 0: the server's updates when it lost a learner
 
     def on_train_start(self, trainer, module):
@@ -124,6 +124,7 @@ class Inject(pl.Callback):
 
     def on_train_epoch_start(self, trainer, module):
         self.epoch_batches = 0
+        self.epoch_start_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, *args):
         global armed
@@ -144,13 +145,14 @@ class Inject(pl.Callback):
 
     def _ready(self, trainer):
         if OPTIONS == CONTINUE:
-            # Killed while training, well inside an epoch (12 updates each): the parameters it
-            # holds are 2 to 6 updates past an epoch's start. A learner that dies while the others
-            # validate at an epoch's end ends the run even under "continue" (README, "Faults"),
-            # and a learner starved of CPU can be at its second batch of an epoch, by its own
-            # count, when the others already reach that epoch's end.
-            return (trainer.current_epoch >= 1 and trainer.global_step >= 12 and self.epoch_batches >= 2
-                    and 2 <= trainer.global_step % 12 <= 6)
+            # Killed while training, well inside an epoch: the parameters it holds are 2 to 6
+            # updates past the epoch's start (every learner starts an epoch at the same update:
+            # they validate in step). A learner that dies while the others validate at an
+            # epoch's end ends the run even under "continue" (README, "Faults"), and a learner
+            # starved of CPU can be at its second batch of an epoch, by its own count, when the
+            # others already reach that epoch's end.
+            into_epoch = trainer.global_step - self.epoch_start_step
+            return trainer.current_epoch >= 1 and self.epoch_batches >= 2 and 2 <= into_epoch <= 6
         if trainer.global_step < FAULT_AT or self.batches < 3:
             return False
         core = trainer.strategy.core  # on rank 0: wait until every learner is training
