@@ -13,9 +13,7 @@ launch (ddp included) runs under the allocator setting the strategy makes
 (`engine.distributed.allocator`, applied by `_common.apply_process_settings`); before, under
 glibc's defaults.
 
-Samples/s as in ``overhead_vs_ddp.py``: for ddp P x batch / mean time between steps; for a
-variant the samples of the gradients applied / the server's mean update interval. K = P for
-``sync``/``k_sync``, K = P/2 for the other K-variants, K = 1 for ``async``.
+Each fit is ``overhead_vs_ddp.measure`` (its samples/s and its K per variant).
 
     python benchmarks/against_commit.py --base c66ab33 [--head HEAD] [--modes k_batch_sync sync]
         [--devices 2] [--launches 3] [--repeats 6] [--steps 300] [--hidden 256]
@@ -32,45 +30,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser, classification_loader,
-                     is_rank_zero, prepare_out, table, trainer_kwargs, write_results)
+from _common import apply_process_settings, base_parser, is_rank_zero, prepare_out, table, write_results
+from overhead_vs_ddp import k_of, measure
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")
 
 
-def k_of(mode: str, p: int) -> int:
-    return p if mode in ("sync", "k_sync") else 1 if mode == "async" else max(1, p // 2)
-
-
 def run_launch(args) -> None:
     """One process tree: ddp and every mode, interleaved ``--repeats`` times (whichever
     ``lightning_stale`` is first on the path)."""
-    from pytorch_lightning import Trainer, seed_everything
-
-    from lightning_stale import StaleStrategy
-
-    p, rows = args.devices, []
+    rows = []
     for repeat in range(args.repeats):
         for mode in ("ddp", *args.modes):
-            seed_everything(args.seed, verbose=False)
-            model = MLPClassifier(features=64, hidden=(args.hidden,), classes=10, lr=0.05)
-            loader = classification_loader(32 * p * (args.steps + 50) * 2, batch_size=32, seed=args.seed)
-            timer = StepTimer(warmup=10)
-            strategy = ("ddp" if mode == "ddp" else
-                        StaleStrategy(mode, k_of(mode, p), delay=None, seed=args.seed, record_trace=False))
-            trainer = Trainer(devices=p, strategy=strategy, max_steps=args.steps, callbacks=[timer],
-                              **trainer_kwargs())
-            trainer.fit(model, train_dataloaders=loader)
-            if not is_rank_zero():
-                continue
-            if mode == "ddp":
-                samples_per_s = p * 32 / timer.mean_interval_s
-            else:
-                stats = trainer.strategy.stats
-                samples_per_s = (stats["gradients_applied"] * 32 / max(1, stats["updates"])
-                                 / stats["mean_update_interval_s"])
-            rows.append({"repeat": repeat, "mode": mode, "samples_per_s": samples_per_s})
+            row = measure(mode, None if mode == "ddp" else k_of(mode, args.devices), args.devices,
+                          hidden=args.hidden, steps=args.steps, seed=args.seed)
+            if row is not None:
+                rows.append({"repeat": repeat, "mode": mode, "samples_per_s": row["samples_per_s"]})
     if is_rank_zero():
         Path(args.child_result).write_text(json.dumps(rows))
 

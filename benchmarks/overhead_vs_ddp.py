@@ -36,51 +36,56 @@ from lightning_stale import StaleStrategy
 TARGETS = {"sync": 0.9, "k_sync": 0.5}
 
 
+def k_of(mode: str, p: int) -> int:
+    """K = P for ``sync``/``k_sync``, 1 for ``async``, P/2 for the other K-variants."""
+    return p if mode in ("sync", "k_sync") else 1 if mode == "async" else max(1, p // 2)
+
+
 def modes(p: int, extra: bool) -> list[tuple[str, int | None]]:
-    runs = [("ddp", None), ("sync", p), ("k_sync", p)]
-    if extra:
-        half = max(1, p // 2)
-        runs += [("k_batch_sync", half), ("async", 1), ("k_async", half), ("k_batch_async", half)]
-    return runs
+    names = ["sync", "k_sync"] + (["k_batch_sync", "async", "k_async", "k_batch_async"] if extra else [])
+    return [("ddp", None)] + [(mode, k_of(mode, p)) for mode in names]
+
+
+def measure(mode: str, k: int | None, p: int, *, hidden: int, steps: int, batch_size: int = 32,
+            warmup: int = 10, seed: int = 0) -> dict | None:
+    """One fit of ``mode`` (stock ``ddp`` or a variant with K = ``k``) on P processes, no
+    injected delay, on the MLP 64-``hidden``-10; on global rank 0 its steady-state rates (see
+    the module docstring), None elsewhere."""
+    seed_everything(seed, verbose=False)
+    model = MLPClassifier(features=64, hidden=(hidden,), classes=10, lr=0.05)
+    samples = batch_size * p * (steps + 50) * 2  # no epoch ends (ddp shards it P ways)
+    loader = classification_loader(samples, batch_size=batch_size, seed=seed)
+    timer = StepTimer(warmup=warmup)
+    strategy = "ddp" if mode == "ddp" else StaleStrategy(mode, k, delay=None, seed=seed, record_trace=False)
+    trainer = Trainer(devices=p, strategy=strategy, max_steps=steps, callbacks=[timer], **trainer_kwargs())
+    start = time.monotonic()
+    trainer.fit(model, train_dataloaders=loader)
+    wall = time.monotonic() - start
+    if not is_rank_zero():
+        return None
+    if mode == "ddp":
+        interval, updates, samples_per_update = timer.mean_interval_s, trainer.global_step, p * batch_size
+    else:
+        stats = trainer.strategy.stats
+        interval, updates = stats["mean_update_interval_s"], stats["updates"]
+        samples_per_update = stats["gradients_applied"] * batch_size / max(1, updates)
+    return {"updates": updates, "interval_s": interval, "updates_per_s": 1.0 / interval,
+            "samples_per_s": samples_per_update / interval, "fit_wall_s": wall}
 
 
 def run_launch(args) -> None:
     """One process tree of ``args.child_devices`` processes: every mode, interleaved."""
     p = args.child_devices
     rows = []
-    samples = args.batch_size * p * (args.steps + 50) * 2  # no epoch ends (ddp shards it P ways)
     for repeat in range(args.repeats):
         for mode, k in modes(p, args.extra):
-            seed_everything(args.seed, verbose=False)
-            model = MLPClassifier(features=64, hidden=(args.hidden,), classes=10, lr=0.05)
-            loader = classification_loader(samples, batch_size=args.batch_size, seed=args.seed)
-            timer = StepTimer(warmup=args.warmup)
-            if mode == "ddp":
-                trainer = Trainer(devices=p, strategy="ddp", max_steps=args.steps, callbacks=[timer],
-                                  **trainer_kwargs())
-            else:
-                strategy = StaleStrategy(mode, k, delay=None, seed=args.seed, record_trace=False)
-                trainer = Trainer(devices=p, strategy=strategy, max_steps=args.steps, callbacks=[timer],
-                                  **trainer_kwargs())
-            start = time.monotonic()
-            trainer.fit(model, train_dataloaders=loader)
-            wall = time.monotonic() - start
-            if not is_rank_zero():
+            row = measure(mode, k, p, hidden=args.hidden, steps=args.steps, batch_size=args.batch_size,
+                          warmup=args.warmup, seed=args.seed)
+            if row is None:
                 continue
-            if mode == "ddp":
-                interval = timer.mean_interval_s
-                samples_per_update = p * args.batch_size
-                updates = trainer.global_step
-            else:
-                stats = trainer.strategy.stats
-                interval = stats["mean_update_interval_s"]
-                updates = stats["updates"]
-                samples_per_update = stats["gradients_applied"] * args.batch_size / max(1, updates)
-            rows.append({"devices": p, "mode": mode, "k": k, "repeat": repeat, "updates": updates,
-                         "interval_s": interval, "updates_per_s": 1.0 / interval,
-                         "samples_per_s": samples_per_update / interval, "fit_wall_s": wall})
-            rank_print(f"P={p} repeat {repeat} {mode:14s} K={k}: {interval * 1e3:7.3f} ms/update, "
-                       f"{samples_per_update / interval:9.0f} samples/s ({wall:.1f} s)")
+            rows.append({"devices": p, "mode": mode, "k": k, "repeat": repeat, **row})
+            rank_print(f"P={p} repeat {repeat} {mode:14s} K={k}: {row['interval_s'] * 1e3:7.3f} ms/update, "
+                       f"{row['samples_per_s']:9.0f} samples/s ({row['fit_wall_s']:.1f} s)")
     if is_rank_zero():
         Path(args.child_result).write_text(json.dumps(rows))
 
