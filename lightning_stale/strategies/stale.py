@@ -73,7 +73,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             ``"sharded"`` (every rank owns a slice of the parameters and optimizer state), or
             ``"auto"`` (default: collective for the sync family on models of at least
             ``ranks.SCALE_MIN_NUMEL`` values, sharded for the async family once parameters x
-            (P - 1) reach ``ranks.SHARDED_MIN_TRAFFIC``, else central).
+            (P - 1) reach ``ranks.SHARDED_MIN_TRAFFIC`` and, on one node, P reaches
+            ``ranks.ONE_HOST_SHARDED_MIN_P``; else central).
             ``stats["server_path"]`` says which ran.
         on_learner_failure: ``"stop"`` (default): a learner that dies ends the run, like DDP;
             ``"continue"``: the server drops it, clamps K to the learners left and goes on
@@ -234,7 +235,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self._epoch = trainer.current_epoch
         self.path = choose_path(self.server, variant, ModelVectors.of(self.lightning_module).numel,
                                 self.on_learner_failure, self.staleness_compensation,
-                                clips=self._clip is not None)
+                                clips=self._clip is not None, nodes=self.num_nodes)
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,

@@ -3,13 +3,14 @@
 
 import pytest
 
-from lightning_stale.engine.distributed.ranks import SCALE_MIN_NUMEL, SHARDED_MIN_TRAFFIC, choose_path
+from lightning_stale.engine.distributed.ranks import (ONE_HOST_SHARDED_MIN_P, SCALE_MIN_NUMEL,
+                                                      SHARDED_MIN_TRAFFIC, choose_path)
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 
 
-def auto(name, p, numel, k=None, failure="stop", compensation=None, clips=False):
-    return choose_path("auto", Variant.create(name, p, k), numel, failure, compensation, clips)
+def auto(name, p, numel, k=None, failure="stop", compensation=None, clips=False, nodes=2):
+    return choose_path("auto", Variant.create(name, p, k), numel, failure, compensation, clips, nodes)
 
 
 @pytest.mark.parametrize("name", ["sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"])
@@ -32,6 +33,17 @@ def test_the_async_family_shards_once_rank_0_would_carry_too_much():
     # 16M parameters: sharded from 2 learners on
     assert auto("async", 2, SHARDED_MIN_TRAFFIC) == "sharded"
     assert auto("k_batch_async", 4, 16_000_000, k=2) == "sharded"
+
+
+def test_on_one_host_the_async_family_shards_only_from_many_learners():
+    big = 100 * SHARDED_MIN_TRAFFIC
+    few, many = ONE_HOST_SHARDED_MIN_P - 1, ONE_HOST_SHARDED_MIN_P
+    assert auto("k_batch_async", 4, 16_000_000, k=2, nodes=1) == "central"  # sharded on two hosts
+    assert auto("async", few, big, nodes=1) == "central"
+    assert auto("async", many, big, nodes=1) == "sharded"
+    assert auto("k_async", many, 4_000_000, k=4, nodes=1) == "sharded"
+    assert auto("k_async", many, SHARDED_MIN_TRAFFIC // (2 * many), k=4, nodes=1) == "central"  # little traffic
+    assert auto("sync", 2, big, nodes=1) == "collective"  # the sync family does not depend on it
 
 
 def test_options_that_need_the_whole_model_keep_auto_central():

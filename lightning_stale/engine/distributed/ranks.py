@@ -11,8 +11,10 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
   of the optimizer state, and applies its part of every update (`engine.distributed.sharded`).
 * ``"auto"``: collective for the sync family on a model of at least ``SCALE_MIN_NUMEL`` values;
   sharded for the async family once N x (P - 1) reaches ``SHARDED_MIN_TRAFFIC`` (central's rank
-  0 moves about 2N(P - 1) values per P gradients, P times a ring all-reduce's share); where the
-  options allow; central otherwise.
+  0 moves about 2N(P - 1) values per P gradients, P times a ring all-reduce's share) and, when
+  every learner runs on one host, P reaches ``ONE_HOST_SHARDED_MIN_P`` (there the "links" are
+  memory, and rank 0 carrying the traffic cost less than owner threads contending with the
+  learners for the same cores); where the options allow; central otherwise.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ SCALE_MIN_NUMEL = 1 << 18
 # The async family on the central path until N x (P - 1) reaches this: below it the central
 # server kept up with the sharded one (2 and 4 processes, 1M to 16M parameters, same benchmark).
 SHARDED_MIN_TRAFFIC = 1 << 24
+# On one host the async family stays central below this many learners: there the central path
+# beat the sharded one at 3.5M and 13.8M parameters on 4 processes (0.96 and 0.99 x ddp's
+# samples/s against 0.80 and 0.74), and on 8 it drew level or fell behind (README, "Scaling").
+ONE_HOST_SHARDED_MIN_P = 8
 
 
 def path_problem(path: str, variant_name: str, on_learner_failure: str,
@@ -80,8 +86,9 @@ def check_path(path: str, variant_name: str, on_learner_failure: str,
 
 
 def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str,
-                compensation: StalenessCompensation | None, clips: bool = False) -> str:
-    """The path to run (see the module docstring); a refusal names what to use instead."""
+                compensation: StalenessCompensation | None, clips: bool = False, nodes: int = 1) -> str:
+    """The path to run (see the module docstring; ``nodes``: the hosts the learners run on); a
+    refusal names what to use instead."""
     if path != "auto":
         problem = path_problem(path, variant.name, on_learner_failure, compensation, clips)
         if problem:
@@ -90,6 +97,8 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
     if variant.p == 1 or numel < SCALE_MIN_NUMEL:
         return "central"
     if not variant.synchronous and numel * (variant.p - 1) < SHARDED_MIN_TRAFFIC:
+        return "central"
+    if not variant.synchronous and nodes == 1 and variant.p < ONE_HOST_SHARDED_MIN_P:
         return "central"
     scaled = "collective" if variant.synchronous else "sharded"
     ok = path_problem(scaled, variant.name, on_learner_failure, compensation, clips) is None
