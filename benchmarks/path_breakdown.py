@@ -152,7 +152,7 @@ def main() -> None:
         reset(args.warmup)
         timer, records = StepTimer(warmup=args.warmup), RecordTimes()
         strategy = "ddp" if variant == "ddp" else StaleStrategy(
-            variant, p if variant in ("sync", "k_sync") else max(1, p // 2), seed=args.seed,
+            variant, {"sync": p, "k_sync": p, "async": 1}.get(variant, max(1, p // 2)), seed=args.seed,
             record_trace=False, server=path)
         trainer = Trainer(devices=p, strategy=strategy, max_steps=args.steps,
                           callbacks=[timer if variant == "ddp" else records], **trainer_kwargs())
