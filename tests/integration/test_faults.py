@@ -300,7 +300,8 @@ def test_with_continue_a_killed_learner_is_dropped_and_the_run_finishes(runs, ca
     assert run.ends == {0: {"raised": None}, 1: {"raised": None}}
     stats = run.rank0["stats"]
     assert stats["updates"] == 60 and stats["dead_learners"] == [2] and books_balance(stats)
-    assert 12 <= run.rank0["updates_at_death"] <= 45  # after an epoch, before most of the run
+    # after the first epoch (and its validation), before most of the run
+    assert run.rank0["epoch_at_death"] >= 1 and run.rank0["updates_at_death"] <= 45
     assert "learner 2 died" in run.output and "training goes on without it" in run.output
     # validation ran at the first epoch's end, and is skipped once the process group lost a member
     # every push decided before the stop counts toward an epoch (3 learners x 8 batches), the

@@ -3,6 +3,7 @@
 these checks is tests/unit/test_user_modules.py)."""
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -75,9 +76,10 @@ def test_a_stop_set_in_the_modules_own_hook_on_one_learner_stops_every_learner(r
     run = runs["module_stop"]
     stats = run["stats"]
     assert run["finished"] and books_balance(stats)
-    # learner 1 asked at its first batch past update 20 (an epoch is 12 updates): the server
-    # stopped both within that epoch, long before max_epochs = 30
-    assert 20 <= stats["updates"] < 36 and run["epoch"] <= 2
+    # learner 1 asked at its first batch past update 20 (an epoch is 12 updates; a learner
+    # starved of CPU may first see update 25 or later): the server stopped both within the
+    # epoch it asked in, long before max_epochs = 30, and the fit ended with that epoch
+    assert 20 <= stats["updates"] < 36 and run["epoch"] == math.ceil(stats["updates"] / 12)
     # one validation per epoch's end, and one more when the stop came inside an epoch. The stop
     # can also reach the learners during an epoch's end (learner 1 may first see update 20 at
     # update 23, and the 24th ends the epoch): they all stop there, with no further validation.

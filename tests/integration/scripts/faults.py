@@ -52,8 +52,9 @@ CASES = {
     "sigint_child": (1, signal.SIGINT, 2, "k_async", 1, {}),
     "sigkill_server": (0, signal.SIGKILL, 2, "k_async", 1, {}),
     "sigstop_server": (0, signal.SIGSTOP, 2, "k_async", 1, {"server_timeout": 3.0}),
-    "continue_k_async": (2, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
-    "continue_k_batch_sync": (2, signal.SIGKILL, 3, "k_batch_sync", 2, CONTINUE),
+    # rank 0 SIGKILLs learner 2 (VICTIM): only the server knows when every learner is training
+    "continue_k_async": (0, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
+    "continue_k_batch_sync": (0, signal.SIGKILL, 3, "k_batch_sync", 2, CONTINUE),
     "resume": (None, None, 2, "k_async", 1, {}),
     # the scaled paths: the learners' own all-reduce and optimizer step (collective), the shard
     # owners' threads in every process (sharded)
@@ -64,6 +65,7 @@ CASES = {
     "sigkill_child_sharded": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "sharded"}),
 }
 INJECTOR, FAULT, DEVICES, VARIANT, K, OPTIONS = CASES[CASE]
+VICTIM = 2 if OPTIONS == CONTINUE else INJECTOR  # the process a signal is sent to
 armed = False  # the server's own faults (optimizer, scheduler) fire once this is set
 
 
@@ -116,23 +118,25 @@ class Inject(pl.Callback):
     """Writes this process's pid, arms or injects the fault, and records how this process ends."""
 
     def __init__(self):
-        self.batches = self.epoch_batches = self.epoch_start_step = 0
+        self.batches = 0
+        self.epoch_start = None  # rank 0: the server's pushes per learner at the epoch's start
         self.updates_at_death = None  # rank 0: the server's updates when it lost a learner
+        self.epoch_at_death = None  # rank 0: its epoch then
 
     def on_train_start(self, trainer, module):
         write_json(f"pid_{trainer.global_rank}", os.getpid())  # atomic: the test polls for it
 
     def on_train_epoch_start(self, trainer, module):
-        self.epoch_batches = 0
-        self.epoch_start_step = trainer.global_step
+        core = trainer.strategy.core
+        if core is not None:
+            self.epoch_start = list(core.rules.counts.pushes_per_learner)
 
     def on_train_batch_end(self, trainer, *args):
         global armed
         self.batches += 1
-        self.epoch_batches += 1
         core = trainer.strategy.core
         if core is not None and core.rules.counts.dead_learners and self.updates_at_death is None:
-            self.updates_at_death = core.updates
+            self.updates_at_death, self.epoch_at_death = core.updates, trainer.current_epoch
         if trainer.global_rank != INJECTOR or armed or not self._ready(trainer):
             return
         armed = True
@@ -141,21 +145,25 @@ class Inject(pl.Callback):
             raise KeyError("callback failed")
         if isinstance(FAULT, signal.Signals):
             fault_now(FAULT.name)
-            os.kill(os.getpid(), FAULT)
+            pid = os.getpid() if VICTIM == INJECTOR else json.loads((OUT / f"pid_{VICTIM}").read_text())
+            os.kill(pid, FAULT)
 
     def _ready(self, trainer):
+        core = trainer.strategy.core  # on rank 0
         if OPTIONS == CONTINUE:
-            # Killed while training, well inside an epoch: the parameters it holds are 2 to 6
-            # updates past the epoch's start (every learner starts an epoch at the same update:
-            # they validate in step). A learner that dies while the others validate at an
-            # epoch's end ends the run even under "continue" (README, "Faults"), and a learner
-            # starved of CPU can be at its second batch of an epoch, by its own count, when the
-            # others already reach that epoch's end.
-            into_epoch = trainer.global_step - self.epoch_start_step
-            return trainer.current_epoch >= 1 and self.epoch_batches >= 2 and 2 <= into_epoch <= 6
+            # Killed while every learner trains, well inside an epoch (after the first): every
+            # learner has pushed twice since the epoch's start (so none is still validating: one
+            # push may have left before the epoch's end), and the server has received at most
+            # half the epoch's 24 pushes (an epoch counts pushes: under K-batch-sync it is fewer
+            # than 12 updates). A learner that dies while the others validate at an epoch's end
+            # ends the run even under "continue" (README, "Faults"); a learner's own count cannot
+            # tell: one starved of CPU can see the epoch's start after the others reach its end.
+            if trainer.current_epoch < 1 or self.epoch_start is None:
+                return False
+            gained = [now - then for now, then in zip(core.rules.counts.pushes_per_learner, self.epoch_start)]
+            return min(gained) >= 2 and sum(gained) <= 12
         if trainer.global_step < FAULT_AT or self.batches < 3:
             return False
-        core = trainer.strategy.core  # on rank 0: wait until every learner is training
         return core is None or min(core.rules.counts.pushes_per_learner) >= 3
 
     def on_exception(self, trainer, module, exception):
@@ -196,6 +204,7 @@ def report(trainer, wallclock, model):
     statuses = [proc.poll() for proc in getattr(trainer.strategy.launcher, "procs", [])]
     inject = next(c for c in trainer.callbacks if isinstance(c, Inject))
     result = {"stats": trainer.strategy.stats, "statuses": statuses, "updates_at_death": inject.updates_at_death,
+              "epoch_at_death": inject.epoch_at_death,
               "updates": [int(row["update"]) for row in wallclock.rows],
               "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}}
     ckpt = OUT / "on_exception.ckpt"
