@@ -42,6 +42,7 @@ from pytorch_lightning import Trainer, seed_everything
 
 from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser, classification_loader,
                      is_rank_zero, prepare_out, require_internals, table, trainer_kwargs, write_results)
+from overhead_vs_ddp import k_of
 from scaling import SIZES, RecordTimes, parameters
 
 MAIN_PARTS = ("compute", "pack", "send", "wait", "resolve", "apply", "all_reduce")
@@ -152,7 +153,7 @@ def main() -> None:
         reset(args.warmup)
         timer, records = StepTimer(warmup=args.warmup), RecordTimes()
         strategy = "ddp" if variant == "ddp" else StaleStrategy(
-            variant, {"sync": p, "k_sync": p, "async": 1}.get(variant, max(1, p // 2)), seed=args.seed,
+            variant, k_of(variant, p), seed=args.seed,
             record_trace=False, server=path)
         trainer = Trainer(devices=p, strategy=strategy, max_steps=args.steps,
                           callbacks=[timer if variant == "ddp" else records], **trainer_kwargs())

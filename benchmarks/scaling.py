@@ -37,6 +37,7 @@ from pytorch_lightning import Callback, Trainer, seed_everything
 from _common import (MLPClassifier, StepTimer, base_parser, run_per_device_count, classification_loader,
                      is_rank_zero, median, rank_print, table, trainer_kwargs, write_results)
 from lightning_stale import StaleStrategy
+from overhead_vs_ddp import k_of
 
 SIZES = {"0.02M": (256,), "1M": (350,) * 8, "4M": (700,) * 8, "16M": (1400,) * 8}
 STEPS = {"0.02M": 300, "1M": 120, "4M": 60, "16M": 30}  # per fit; fewer for the slow ones
@@ -66,10 +67,9 @@ class RecordTimes(Callback):
 
 
 def modes(p: int) -> list[tuple[str, int | None, str]]:
-    half = max(1, p // 2)
-    return [("ddp", None, ""), ("sync", p, "auto"), ("k_sync", p, "auto"), ("k_batch_sync", half, "auto"),
-            ("async", 1, "auto"), ("k_async", half, "auto"), ("k_batch_async", half, "auto"),
-            ("sync", p, "central"), ("k_batch_async", half, "central"), ("k_batch_async", half, "sharded")]
+    runs = [(name, "auto") for name in ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")]
+    runs += [("sync", "central"), ("k_batch_async", "central"), ("k_batch_async", "sharded")]
+    return [("ddp", None, "")] + [(name, k_of(name, p), path) for name, path in runs]
 
 
 def parameters(hidden: tuple[int, ...]) -> int:

@@ -4,9 +4,9 @@ Every push, answer and parameter snapshot of the central path is a fresh vector 
 size (of the sharded path, a slice of one), allocated while the previous ones are still alive
 (queued for a send, held by an update). glibc's malloc serves an allocation that large with
 ``mmap`` (always above 32 MB, its largest threshold) and trims the heap's free top back to the
-system, so such vectors keep arriving as fresh pages, each faulted in on first write: 3 to 4 ms per 14 MB on the machine of
-the README's benchmarks, on the server thread and the receiving threads, beside the copy itself
-(0.6 ms). `hold_freed_memory` turns that off (``mallopt``: no ``mmap`` for blocks, no trimming),
+system, so such vectors keep arriving as fresh pages, each faulted in on first write: 3 to 4
+ms per 14 MB on the machine of the README's benchmarks, on the server thread and the receiving
+threads, beside the copy itself (0.6 ms). `hold_freed_memory` turns that off (``mallopt``: no ``mmap`` for blocks, no trimming),
 so freed vectors are reused in place; the README's "Where each path's time goes" has the
 measurement.
 
