@@ -26,7 +26,9 @@ optimizer step, including ``owner wait``, its wait for the pieces) and ``owner s
 of new parameters to a learner).
 
     python benchmarks/path_breakdown.py [--devices 2] [--size 4M] [--steps 60]
-        [--runs sync:central sync:collective k_async:central k_async:sharded]
+        [--runs sync:central sync:collective k_async:central k_async:sharded k_async:central-gloo]
+
+(``central-gloo``: the central path with ``shared_memory=False``, every payload over gloo.)
 
 The internals wrapped are named in ``WRAPPED``; the script stops with a clear error if they change.
 """
@@ -140,7 +142,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="updates per fit")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--runs", nargs="+", default=["sync:central", "sync:collective", "k_async:central",
-                                                       "k_async:sharded"], help="variant:server")
+                                                       "k_async:sharded"],
+                        help="variant:server, server central-gloo for the central path without shared memory")
     args = parser.parse_args()
     apply_process_settings(args)
     instrument()
@@ -149,12 +152,13 @@ def main() -> None:
     rows, summary = [], []
     for spec in ["ddp:ddp", *args.runs]:
         variant, path = spec.split(":")
+        server, _, transport = path.partition("-")  # "central-gloo": no shared-memory lanes
         seed_everything(args.seed, verbose=False)
         reset(args.warmup)
         timer, records = StepTimer(warmup=args.warmup), RecordTimes()
         strategy = "ddp" if variant == "ddp" else StaleStrategy(
             variant, k_of(variant, p), seed=args.seed,
-            record_trace=False, server=path)
+            record_trace=False, server=server, shared_memory=transport != "gloo")
         trainer = Trainer(devices=p, strategy=strategy, max_steps=args.steps,
                           callbacks=[timer if variant == "ddp" else records], **trainer_kwargs())
         trainer.fit(MLPClassifier(features=64, hidden=hidden, classes=10, lr=0.01),
@@ -168,8 +172,11 @@ def main() -> None:
             samples_per_s = 32 * p / interval
         else:
             interval, samples_per_s = records.rate(args.warmup)
+        # rank 0's learner pushes through a queue, the others over the host's links: its share
+        # of the gradients applied says how unequal the race is (1/P when the learners are alike)
+        share = records.learners.count(0) / len(records.learners) if variant != "ddp" else 1 / p
         summary.append({"variant": variant, "server": path, "ms_per_update": 1e3 * interval,
-                        "samples_per_s": samples_per_s})
+                        "samples_per_s": samples_per_s, "rank0_share": round(share, 2)})
         if variant != "ddp":
             for rank, state in enumerate(gathered):
                 rows.append({"variant": variant, "server": path, "rank": rank,
@@ -179,7 +186,7 @@ def main() -> None:
         return
     print(f"\nP = {p}, MLP of {parameters(hidden) / 1e6:.1f}M parameters, batch 32, no injected delay, "
           f"{args.steps} updates per fit after {args.warmup} left out; ms per push on each rank")
-    print(table(summary, ["variant", "server", "ms_per_update", "samples_per_s"]))
+    print(table(summary, ["variant", "server", "ms_per_update", "samples_per_s", "rank0_share"]))
     print()
     print(table(rows, ["variant", "server", "rank", "cycle", *MAIN_PARTS, "other", *THREAD_PARTS]))
     paths = write_results(out, "path_breakdown", rows, {"summary": summary, "devices": p, "size": args.size,

@@ -50,12 +50,15 @@ class RecordTimes(Callback):
 
     def __init__(self) -> None:
         self.rows: list[tuple[float, int]] = []
+        self.learners: list[int] = []  # the learner of every gradient applied, in order
 
     def on_train_start(self, trainer, module) -> None:
-        self.rows = []
+        self.rows, self.learners = [], []
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        self.rows += [(r.clock, r.samples) for r in trainer.strategy.pop_update_records()]
+        for r in trainer.strategy.pop_update_records():
+            self.rows.append((r.clock, r.samples))
+            self.learners += r.learners
 
     def on_train_end(self, trainer, *args) -> None:
         self.on_train_batch_end(trainer)

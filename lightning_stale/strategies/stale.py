@@ -75,7 +75,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             ``ranks.SCALE_MIN_NUMEL`` values, sharded for the async family once parameters x
             (P - 1) reach ``ranks.SHARDED_MIN_TRAFFIC`` and, on one node, P reaches
             ``ranks.ONE_HOST_SHARDED_MIN_P``; else central).
-            ``stats["server_path"]`` says which ran.
+            ``stats["server_path"]`` says which ran (and ``stats["shared_memory_learners"]``
+            which learners used `shared_memory`).
         on_learner_failure: ``"stop"`` (default): a learner that dies ends the run, like DDP;
             ``"continue"``: the server drops it, clamps K to the learners left and goes on
             (needs K < P; validation is skipped after a death: the default process group lost
@@ -88,6 +89,10 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             elsewhere): a fresh vector of the model's size per push and answer otherwise costs
             a page fault per page (`engine.distributed.allocator`). It stays set for the
             process's life. False leaves the allocator alone.
+        shared_memory: on the central path, a learner on rank 0's host sends its pushes and
+            receives its parameters through a file in ``/dev/shm`` mapped by both processes,
+            with only the headers over gloo (`engine.distributed.lanes`; learners on other
+            hosts, or where ``/dev/shm`` lacks the space, use gloo). False: gloo for all.
         Other arguments are `DDPStrategy`'s (accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout,
         start_method).
@@ -115,7 +120,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                  staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
                  adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
-                 shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, **ddp_kwargs: Any) -> None:
+                 shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
+                 **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
         if on_learner_failure not in LEARNER_FAILURE_MODES:
@@ -124,8 +130,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         if on_learner_failure == "continue" and variant == "sync":
             raise ValueError("on_learner_failure='continue' cannot apply to variant 'sync': every "
                              "update waits for every learner; use a K-variant with K < P")
-        if not isinstance(hold_freed_memory, bool):
-            raise ValueError(f"hold_freed_memory must be True or False, got {hold_freed_memory!r}")
+        for name, flag in (("hold_freed_memory", hold_freed_memory), ("shared_memory", shared_memory)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         for name, value in (("server_timeout", server_timeout), ("shutdown_timeout", shutdown_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -140,7 +147,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.server = server
         self.delay_mode, self.on_learner_failure = delay_mode, on_learner_failure
         self.server_timeout, self.shutdown_timeout = float(server_timeout), float(shutdown_timeout)
-        self.hold_freed_memory = hold_freed_memory
+        self.hold_freed_memory, self.shared_memory = hold_freed_memory, shared_memory
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
@@ -239,7 +246,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
-                              self.server_timeout, self.staleness_compensation, self._adaptive)
+                              self.server_timeout, self.staleness_compensation, self._adaptive,
+                              self.shared_memory)
         learner, self._server = build_rank(self.global_rank, self._server_group, self.lightning_module,
                                            self.optimizers[0], self._schedulers, variant, limits, options,
                                            self._resume, self._clip)
@@ -371,6 +379,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         stats, recorder = self._server.final_report(
             None if unannounced is None else (unannounced.rank, unannounced.delays, unannounced.cancelled))
         stats["server_path"] = self.path
+        stats["shared_memory_learners"] = self._server.endpoint.lane_learners
         path = self.write_trace(recorder)
         if path is not None:
             stats["trace_path"] = path

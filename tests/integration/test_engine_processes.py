@@ -135,11 +135,23 @@ def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
     assert result["stats"]["updates"] == 40 and books_balance(result["stats"])
 
 
-def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(tmp_path):
+@pytest.fixture(scope="module")
+def transports(tmp_path_factory):
+    return run_script("transport.py", tmp_path_factory.mktemp("transport"), timeout=120,
+                      TEST_PORT=str(free_port()))
+
+
+@pytest.mark.parametrize("transport", ["gloo", "lanes"])
+def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(transports, transport):
     """Both framings over a real gloo group: a payload inside its header's frame, and one over
-    the frame's size following its header; every field survives, and the answer's ``pushes`` and
-    ``hold`` let the learner take the server's time out of its round trip."""
-    run = run_script("transport.py", tmp_path, timeout=120, TEST_PORT=str(free_port()))
+    the frame's size following its header, or with lanes in shared memory behind it; every field
+    survives, and the answer's ``pushes`` and ``hold`` let the learner take the server's time out
+    of its round trip."""
+    run = transports[transport]
+    if transport == "lanes":  # same host: learner 1 has lanes; only the two large payloads used them
+        assert run["lanes"] == [False, True] and run["through_lanes"] == [1, 1]
+    else:
+        assert run["lanes"] is None and run["through_lanes"] == []
     pushes, bye = run["received"][:2], run["received"][2]
     assert [(m["kind"], m["learner"], m["samples"], m["loss"]) for m in pushes] == [(1, 1, 8, 0.5), (1, 1, 9, 0.25)]
     assert pushes[1]["numel"] > pushes[0]["numel"] and all(m["payload_ok"] for m in pushes)
@@ -170,6 +182,23 @@ def test_the_collective_and_sharded_paths_keep_every_count_and_learn(paths, run)
     assert result["same_everywhere"]  # every learner ends with the server's parameters
     if run.startswith(("sync", "k_sync", "k_batch_sync")):
         assert set(stats["staleness_histogram"]) == {"0"}
+
+
+@pytest.mark.parametrize("run", ["k_batch_async@central", "k_sync@central", "k_async@central-gloo"])
+def test_on_one_host_the_central_paths_large_payloads_cross_in_shared_memory(paths, run):
+    """Pushes and answers over a header frame's size go through each learner's lanes (or over
+    gloo when shared memory is off) with every count kept, the loss falling and every learner
+    ending with the server's parameters."""
+    from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES
+
+    result = paths[run]
+    stats = result["stats"]
+    assert 4 * result["parameters"] > INLINE_PAYLOAD_BYTES  # no payload fits a frame
+    assert stats["server_path"] == "central" and stats["updates"] == 40 and books_balance(stats)
+    assert stats["shared_memory_learners"] == ([] if run.endswith("gloo") else [1, 2, 3])
+    assert result["updates"] == list(range(1, 41)) and result["same_everywhere"]
+    assert sum(result["losses"][-10:]) < sum(result["losses"][:10])
+    assert {learner for update in result["learners"] for learner in update} == {0, 1, 2, 3}
 
 
 def test_a_sharded_checkpoint_gathers_the_model_and_resumes_on_the_central_path(paths):

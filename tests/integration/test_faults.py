@@ -277,6 +277,19 @@ def test_a_killed_shard_owner_ends_the_run(runs, case):
     assert "the shard owners' state was lost with the failure" in run.output  # the checkpoint says so
 
 
+@pytest.mark.parametrize("case", ["sigkill_child_lanes"])
+def test_a_killed_learner_sharing_memory_with_the_server_ends_the_run(runs, case):
+    """Rank 1 SIGKILLed on the central path while its pushes and answers cross in shared memory:
+    the server learns of the death from the broken gloo connection, as without lanes."""
+    run = runs(case)
+    assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
+    assert run.status == 1 and run.ends == {0: {"raised": "ServerFailed"}}, run.tail()
+    assert "learner 1 died" in run.exceptions[0]["message"]
+    stats = run.rank0["stats"]
+    assert stats["server_path"] == "central" and stats["shared_memory_learners"] == [1]
+    assert_books_and_logs(run, trace_learners={0})
+
+
 @pytest.mark.parametrize("case", ["sigstop_server"])
 def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs, case):
     """Rank 0 stopped with SIGSTOP: its learner hears no heartbeat for server_timeout = 3 s."""
@@ -290,11 +303,14 @@ def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs, case):
 # ---------------------------------------------------------------- on_learner_failure="continue"
 
 
-@pytest.mark.parametrize("case", ["continue_k_async", "continue_k_batch_sync"])
+@pytest.mark.parametrize("case", ["continue_k_async", "continue_k_batch_sync", "continue_k_async_lanes"])
 def test_with_continue_a_killed_learner_is_dropped_and_the_run_finishes(runs, case):
-    """Three learners, K = 2, rank 2 SIGKILLed mid-run under Lightning's own launcher."""
+    """Three learners, K = 2, rank 2 SIGKILLed mid-run under Lightning's own launcher (its
+    payloads in shared memory for the lanes' case)."""
     run = runs(case)
     assert run.status == 0, run.tail()
+    lanes = [1, 2] if case.endswith("_lanes") else []  # the small model's payloads fit a frame
+    assert run.rank0["stats"]["shared_memory_learners"] == lanes
     # ranks 1 and 2: the launcher's watch saw rank 2 die, and let the run go on
     assert run.rank0["statuses"][0] in (0, None) and run.rank0["statuses"][1] == -signal.SIGKILL
     assert run.ends == {0: {"raised": None}, 1: {"raised": None}}

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 MAGIC = 0x5354414C45  # "STALE"
-PROTOCOL = 4
+PROTOCOL = 5
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8)
 
 # (field, struct format), in wire order; little-endian, no padding.
@@ -127,7 +127,8 @@ class Message:
     received_at: float = 0.0
 
 
-def encode_header(message: Message, payload: Tensor | None, inline: bool) -> bytes:
+def encode_header(message: Message, payload: Tensor | None, inline: int) -> bytes:
+    """``inline``: where the payload travels (`transport.decode`)."""
     fields = {name: getattr(message, name, 0) for name, _ in HEADER}
     fields.update(magic=MAGIC, protocol=PROTOCOL, kind=int(message.kind),
                   numel=0 if payload is None else payload.numel(),
@@ -135,8 +136,9 @@ def encode_header(message: Message, payload: Tensor | None, inline: bool) -> byt
     return _STRUCT.pack(*(fields[name] for name, _ in HEADER))
 
 
-def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, bool]:
-    """The message of a header, its payload's size and dtype, and whether the payload is inline.
+def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
+    """The message of a header, its payload's size and dtype, and where the payload travels
+    (0, 1 or 2: `transport.decode`).
 
     Raises `TransportError` naming ``sender`` for anything that is not a header of this protocol:
     a short frame, a wrong magic number or protocol version, an unknown kind or dtype, or a
@@ -158,12 +160,12 @@ def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, in
     if not 0 <= fields["numel"] <= max_numel:
         raise TransportError(f"{sender} announced a payload of {fields['numel']} values; at most "
                              f"{max_numel} are expected")
-    if fields["inline"] not in (0, 1) or any(math.isinf(fields[f]) for f in ("hold", "age")):
+    if fields["inline"] not in (0, 1, 2) or any(math.isinf(fields[f]) for f in ("hold", "age")):
         raise TransportError(f"{sender} sent a malformed header {fields}")
     message = Message(Kind(fields["kind"]), **{name: fields[name] for name in (
         "learner", "version", "epoch", "samples", "cancelled", "pushes", "flags", "dead", "seq",
         "delivery", "loss", "hold", "age")})
-    return message, fields["numel"], DTYPES[fields["dtype"]], bool(fields["inline"])
+    return message, fields["numel"], DTYPES[fields["dtype"]], fields["inline"]
 
 
 def text_payload(text: str) -> Tensor:

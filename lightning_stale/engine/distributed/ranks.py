@@ -37,7 +37,8 @@ from lightning_stale.engine.distributed.messages import Kind, Message
 from lightning_stale.engine.distributed.server import CentralPayloads, ParameterServer
 from lightning_stale.engine.distributed.sharded import (ShardedExchange, ShardedPayloads, ShardLayout,
                                                         ShardOwner)
-from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
+from lightning_stale.engine.distributed.lanes import open_lanes, slot_bytes_for
+from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES, LearnerEndpoint, ServerEndpoint
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, ServerState
 from lightning_stale.method.adaptive import AdaptiveK
@@ -116,6 +117,7 @@ class RankOptions:
     server_timeout: float = 30.0
     compensation: StalenessCompensation | None = None
     adaptive: AdaptiveK | None = None
+    shared_memory: bool = True
 
 
 def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedulers: list,
@@ -139,6 +141,12 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
             schedules.load_states(resume.get("schedulers", []))
         device = vectors.params[0].device if vectors.params else torch.device("cpu")
         exchange = CollectiveExchange(vectors, optimizer, schedules, rank, device, clip)
+    lanes: dict = {}
+    slot_bytes = slot_bytes_for(vectors.max_push_numel(), vectors.dtype)
+    if options.path == "central" and group is not None and slot_bytes > INLINE_PAYLOAD_BYTES:
+        # (smaller payloads travel inside their header's frame.) Collective: every rank takes
+        # part, whether or not it can share memory with rank 0.
+        lanes, _ = open_lanes(group, rank, slot_bytes, enabled=options.shared_memory)
     if rank == 0:
         if options.path in ("collective", "sharded"):
             core = ServerCore(variant, None, limits, options.adaptive, options.compensation,
@@ -153,13 +161,14 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
             core.load_state_dict(resume)
         server = ParameterServer(core, payloads, options.on_learner_failure)
         server_endpoint = ServerEndpoint(group, variant.p, server.events.put, queue.Queue(),
-                                         vectors.max_push_numel(), owner.commands if owner else None)
+                                         vectors.max_push_numel(), owner.commands if owner else None, lanes)
         if isinstance(payloads, ShardedPayloads):
             payloads.send = server_endpoint.send
         endpoint = LearnerEndpoint(0, group, vectors.state_numel, local_server=server_endpoint)
         server.start(server_endpoint)
     else:
-        endpoint = LearnerEndpoint(rank, group, vectors.state_numel, owner=owner.commands if owner else None)
+        endpoint = LearnerEndpoint(rank, group, vectors.state_numel, owner=owner.commands if owner else None,
+                                   lanes=lanes.get(0))
     if owner is not None:
         owner.start(endpoint, server)
     learner = Learner(endpoint, vectors, options.delay, exchange=exchange,

@@ -5,7 +5,8 @@ group of its own (CPU tensors, so a NCCL default group is untouched, and Lightni
 on the default group never interleave with server traffic). A
 message is one frame: the header (`messages.HEADER`) with the payload behind it when the payload
 is small (up to INLINE_PAYLOAD_BYTES), else the header alone followed by the payload as a second
-gloo message. The receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it.
+gloo message, or, between the server and a learner on the same host, with the payload in
+shared memory (`lanes`; the central path's pushes and answers carry the whole model). The receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it.
 The learner on the server's own rank uses in-process queues instead: gloo cannot send to oneself.
 
 Blocking is kept off the decision loop and away from other learners: every remote learner has
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_stale.engine.distributed.lanes import IN_LANE, Lane, LaneClosed
 from lightning_stale.engine.distributed.messages import (HEADER_BYTES, OWNER_KINDS, Kind, Message,
                                                          TransportError, coalesce, decode_header,
                                                          encode_header, payload_text)
@@ -44,49 +46,63 @@ MAX_REASON_BYTES = 1 << 16
 _LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these on a downlink
 
 
-def encode(message: Message) -> tuple[Tensor, Tensor | None]:
+def encode(message: Message, lane: Lane | None = None,
+           closed: Callable[[], str | None] = lambda: None) -> tuple[Tensor, Tensor | None]:
     """The frame to send first (header, and the payload if it is small) and the payload to send
-    after it, or None."""
+    after it, or None. A large payload that fits ``lane`` is written there instead (waiting for
+    a free slot until ``closed`` gives a reason)."""
     payload = None if message.payload is None else message.payload.reshape(-1)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-    inline = payload is not None and nbytes <= INLINE_PAYLOAD_BYTES
-    frame = torch.empty(HEADER_BYTES + (nbytes if inline else 0), dtype=torch.uint8)
-    frame[:HEADER_BYTES] = torch.frombuffer(bytearray(encode_header(message, payload, inline)),
+    where = 0 if payload is None else 1 if nbytes <= INLINE_PAYLOAD_BYTES else \
+        IN_LANE if lane is not None and lane.fits(payload) else 0
+    frame = torch.empty(HEADER_BYTES + (nbytes if where == 1 else 0), dtype=torch.uint8)
+    frame[:HEADER_BYTES] = torch.frombuffer(bytearray(encode_header(message, payload, where)),
                                             dtype=torch.uint8)
-    if inline:
+    if where == 1:
         frame[HEADER_BYTES:].view(payload.dtype).copy_(payload)
+        return frame, None
+    if where == IN_LANE:
+        lane.write(payload, closed)
         return frame, None
     return frame, payload
 
 
-def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, bool]:
-    """The message of a received frame, its payload's size and dtype, and whether the payload
-    was inside the frame (then it is set on the message, as a copy)."""
-    message, numel, dtype, inline = decode_header(frame[:HEADER_BYTES].numpy().tobytes(), sender,
-                                                  max_numel)
-    if numel and inline:
+def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
+    """The message of a received frame, its payload's size and dtype, and where the payload is:
+    0 in a second gloo message, 1 inside the frame (then it is set on the message, as a copy),
+    `IN_LANE` in the sender's shared-memory lane."""
+    message, numel, dtype, where = decode_header(frame[:HEADER_BYTES].numpy().tobytes(), sender,
+                                                 max_numel)
+    if numel and where == 1:
         nbytes = numel * dtype.itemsize
         if HEADER_BYTES + nbytes > frame.numel():
             raise TransportError(f"{sender} announced an inline payload of {nbytes} bytes, larger "
                                  "than a frame")
         message.payload = frame[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).clone()
-    return message, numel, dtype, inline
+    return message, numel, dtype, where
 
 
-def send(message: Message, dst: int, group, tags: tuple[int, int]) -> None:
-    frame, payload = encode(message)
+def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | None = None,
+         closed: Callable[[], str | None] = lambda: None) -> None:
+    frame, payload = encode(message, lane, closed)
     dist.send(frame, dst=dst, group=group, tag=tags[0])
     if payload is not None:
         dist.send(payload.contiguous(), dst=dst, group=group, tag=tags[1])
 
 
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
-         buffer: Tensor | None = None) -> Message:
-    """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop."""
+         buffer: Tensor | None = None, lane: Lane | None = None) -> Message:
+    """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop;
+    ``lane``: the sender's shared-memory lane to this process, if any."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
     dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
-    message, numel, dtype, inline = decode(frame, sender, max_numel)
-    if numel and not inline:
+    message, numel, dtype, where = decode(frame, sender, max_numel)
+    if numel and where == IN_LANE:
+        if lane is None:
+            raise TransportError(f"{sender} sent a payload through shared memory, which this "
+                                 "process does not share with it")
+        message.payload = lane.read(numel, dtype)
+    elif numel and where == 0:
         message.payload = torch.empty(numel, dtype=dtype)
         dist.recv(message.payload, src=src, group=group, tag=tags[1])
     message.received_at = time.monotonic()
@@ -105,11 +121,16 @@ class ServerEndpoint:
             `receive_local`.
         max_numel: the largest payload a learner may send (a push with its presence mask).
         local_owner: the order queue of the shard owner on rank 0 (sharded path), if any.
+        lanes: learner -> (lane to send on, lane to receive on), for the learners on this host
+            (`lanes.open_lanes`); the others' payloads go over gloo.
     """
 
     def __init__(self, group, num_learners: int, deliver: Callable[[Message], None],
-                 local_inbox: queue.Queue, max_numel: int, local_owner: queue.Queue | None = None) -> None:
+                 local_inbox: queue.Queue, max_numel: int, local_owner: queue.Queue | None = None,
+                 lanes: dict[int, tuple[Lane, Lane]] | None = None) -> None:
         self.group, self.num_learners, self.deliver = group, num_learners, deliver
+        self._lanes = lanes or {}
+        self._gone: set[int] = set()  # learners forgotten or whose connection broke
         self.local_inbox, self.local_owner = local_inbox, local_owner
         self._max_numel = max(max_numel, MAX_REPORT_VALUES)
         # learner -> (pushes received, time.monotonic() of the latest), for `Message.hold`
@@ -124,6 +145,11 @@ class ServerEndpoint:
                 threading.Thread(target=self._receive_loop, args=(r,), daemon=True, name=f"stale-server-recv-{r}")]
         for t in self._threads:
             t.start()
+
+    @property
+    def lane_learners(self) -> list[int]:
+        """The learners whose payloads travel through shared memory."""
+        return sorted(self._lanes)
 
     def send(self, learner: int, message: Message) -> None:
         if learner in self._closed:
@@ -149,6 +175,7 @@ class ServerEndpoint:
     def forget(self, learner: int) -> None:
         """Send nothing more to ``learner`` (it died)."""
         self._closed.add(learner)
+        self._gone.add(learner)  # a sender waiting for its lane gives up
         if learner in self._outboxes:
             self._outboxes[learner].put(None)  # ends its sender
 
@@ -171,10 +198,11 @@ class ServerEndpoint:
     def _receive_loop(self, learner: int) -> None:
         # Runs until this learner says goodbye or aborts; a learner that dies breaks the recv.
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        lane = self._lanes.get(learner, (None, None))[1]
         try:
             while True:
                 message = recv(self.group, (UP, UP_DATA), learner, f"learner {learner}",
-                               self._max_numel, buffer)
+                               self._max_numel, buffer, lane)
                 message.learner = learner
                 if message.kind in (Kind.ABORT, Kind.INTERRUPT):
                     message.error = payload_text(message.payload)
@@ -182,11 +210,17 @@ class ServerEndpoint:
                 if message.kind in (Kind.BYE, Kind.ABORT):
                     return
         except Exception as exc:  # noqa: BLE001 - reported to the server loop, which decides
+            self._gone.add(learner)
             self.deliver(Message(Kind.FAILED, learner=learner,
                                  error=f"receiving from learner {learner} failed: {exc}"))
 
     def _send_loop(self, learner: int) -> None:
         outbox = self._outboxes[learner]
+        lane = self._lanes.get(learner, (None, None))[0]
+
+        def closed() -> str | None:
+            return f"learner {learner} is gone" if learner in self._gone else None
+
         try:
             while True:
                 pending = [outbox.get()]
@@ -196,9 +230,11 @@ class ServerEndpoint:
                     return
                 for message in coalesce(pending):
                     self._stamp(learner, message)
-                    send(message, learner, self.group, (DOWN, DOWN_DATA))
+                    send(message, learner, self.group, (DOWN, DOWN_DATA), lane, closed)
                     if message.kind in _LAST:
                         return
+        except LaneClosed:
+            return  # its connection broke or it died: the receiving thread has reported it
         except Exception as exc:  # noqa: BLE001
             self.deliver(Message(Kind.FAILED, learner=learner,
                                  error=f"sending to learner {learner} failed: {exc}"))
@@ -222,6 +258,8 @@ class LearnerEndpoint:
             in-process queues: gloo cannot send to oneself).
         owner: the order queue of this rank's shard owner (sharded path): the server's orders
             to it come on the same connection, and go there instead of the inbox.
+        lanes: (lane to send on, lane to receive on) shared with the server on this host, or
+            None (`lanes.open_lanes`).
 
     ``last_heard`` is when the server was last heard from (every message counts, heartbeats
     too), ``failure`` why the run failed, as soon as the receiving thread knows (an ABORT, a
@@ -231,8 +269,9 @@ class LearnerEndpoint:
     """
 
     def __init__(self, rank: int, group, max_numel: int, local_server: ServerEndpoint | None = None,
-                 owner: queue.Queue | None = None) -> None:
+                 owner: queue.Queue | None = None, lanes: tuple[Lane, Lane] | None = None) -> None:
         self.rank, self.group, self.owner = rank, group, owner
+        self._lanes = lanes or (None, None)
         self._max_numel = max(max_numel, MAX_REASON_BYTES)
         self._local_server = local_server
         self._send_lock = threading.Lock()
@@ -257,13 +296,17 @@ class LearnerEndpoint:
             self._local_server.receive_local(message)
             return
         with self._send_lock:
-            send(message, 0, self.group, (UP, UP_DATA))
+            try:
+                send(message, 0, self.group, (UP, UP_DATA), self._lanes[0], lambda: self.failure)
+            except LaneClosed as exc:
+                raise TransportError(str(exc)) from None
 
     def _receive_loop(self) -> None:
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         try:
             while True:
-                message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self._max_numel, buffer)
+                message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self._max_numel, buffer,
+                               self._lanes[1])
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
                     message.error = self.failure = payload_text(message.payload)

@@ -63,7 +63,12 @@ CASES = {
     "training_step_sharded": (1, "training_step", 2, "k_async", 1, {"server": "sharded"}),
     "optimizer_sharded": (0, "optimizer", 2, "k_async", 1, {"server": "sharded"}),
     "sigkill_child_sharded": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "sharded"}),
+    # the central path with pushes and answers too large for a frame: they cross in shared memory
+    "sigkill_child_lanes": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "central"}),
+    "continue_k_async_lanes": (0, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
 }
+# 0.1M parameters (0.4 MB payloads, over INLINE_PAYLOAD_BYTES) for the lanes' cases, else 0.2k
+HIDDEN = (320, 320) if CASE.endswith("_lanes") else (16,)
 INJECTOR, FAULT, DEVICES, VARIANT, K, OPTIONS = CASES[CASE]
 VICTIM = 2 if OPTIONS == CONTINUE else INJECTOR  # the process a signal is sent to
 armed = False  # the server's own faults (optimizer, scheduler) fire once this is set
@@ -175,7 +180,7 @@ def main():
     OUT.mkdir(exist_ok=True)
     pl.seed_everything(0)
     data = TensorDataset(torch.randn(20_000, 8), torch.randint(0, 4, (20_000,)))
-    model = Model(MLP((8,), 4, hidden_sizes=(16,)), lr=0.05)
+    model = Model(MLP((8,), 4, hidden_sizes=HIDDEN), lr=0.05)
     strategy = StaleStrategy(VARIANT, K, delay=Exponential(mean=0.01, seed=0), **OPTIONS)
     wallclock = WallClockLogger()
     # K = 2 of 3 learners, 8 mini-batches per learner and epoch: an epoch is 12 updates

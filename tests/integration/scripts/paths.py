@@ -1,6 +1,8 @@
 """The collective and sharded paths on 4 CPU processes, in one launch: every variant on the path
 'auto' would pick at scale (forced here on a small model), the counts, the loss, every rank
-ending with the same parameters, and checkpoints that resume on another path."""
+ending with the same parameters, and checkpoints that resume on another path. Then the central
+path with a model whose pushes and answers are too large for a header's frame: on one host they
+travel through shared memory (and over gloo with ``shared_memory=False``)."""
 
 import sys
 from pathlib import Path
@@ -23,8 +25,8 @@ RUNS = [("sync", None, "collective"), ("k_sync", 2, "collective"), ("k_batch_syn
         ("k_sync", 2, "sharded")]
 
 
-def model(optimizer="sgd", lr=0.2):
-    return Classifier(MLP((64,), 10, hidden_sizes=(32, 32)), lr=lr, optimizer=optimizer)
+def model(optimizer="sgd", lr=0.2, hidden=(32, 32)):
+    return Classifier(MLP((64,), 10, hidden_sizes=hidden), lr=lr, optimizer=optimizer)
 
 
 def same_everywhere(module) -> bool:
@@ -52,6 +54,19 @@ for name, k, path in RUNS:
     same = same_everywhere(module)
     if trainer.global_rank == 0:
         results[f"{name}@{path}"] = {**summary(trainer, capture), "same_everywhere": same}
+
+# Central, with 0.2M parameters (0.8 MB pushes, over INLINE_PAYLOAD_BYTES): lanes, then gloo.
+WIDE = (512, 320)
+for name, k, lanes in [("k_batch_async", 2, True), ("k_sync", 3, True), ("k_async", 2, False)]:
+    module = model(hidden=WIDE, lr=0.05)
+    delay = ShiftedExponential(shift=0.002, mean=0.01, seed=1)
+    trainer, capture = fit(StaleStrategy(name, k, delay=delay, server="central", shared_memory=lanes,
+                                         record_trace=False), module, 40)
+    same = same_everywhere(module)
+    if trainer.global_rank == 0:
+        results[f"{name}@central" + ("" if lanes else "-gloo")] = {
+            **summary(trainer, capture), "same_everywhere": same,
+            "parameters": sum(p.numel() for p in module.parameters())}
 
 # A checkpoint written during training on the sharded path (gathered from every owner), resumed
 # on the central path; one written after fit on the collective path, resumed on the sharded one.

@@ -1,8 +1,9 @@
 """Two processes, no Lightning: the server and learner endpoints over a real gloo group.
 
 Learner 1 pushes a small gradient (one frame), a large one (header, then payload) and says
-goodbye; the server answers with small parameters, then stop with large ones. Rank 0 writes
-what both sides received to ``<out>`` (JSON).
+goodbye; the server answers with small parameters, then stop with large ones. The exchange runs
+twice: over gloo alone, then with shared-memory lanes (large payloads in ``/dev/shm``). Rank 0
+writes what both sides received in each to ``<out>`` (JSON, by transport).
 """
 
 import json
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.lanes import open_lanes, slot_bytes_for
 from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES, LearnerEndpoint, ServerEndpoint
 
 SMALL = torch.arange(10, dtype=torch.float32)
@@ -33,9 +35,9 @@ def describe(m: Message) -> dict:
             "payload": m.payload.tolist() if 0 < numel <= 10 else None}
 
 
-def server(group, out: str) -> None:
+def server(group, out: str, lanes: dict) -> None:
     events: queue.Queue = queue.Queue()
-    endpoint = ServerEndpoint(group, 2, events.put, queue.Queue(), max_numel=LARGE.numel())
+    endpoint = ServerEndpoint(group, 2, events.put, queue.Queue(), max_numel=LARGE.numel(), lanes=lanes)
     received = [events.get(timeout=60), events.get(timeout=60)]  # two pushes
     time.sleep(HOLD)  # the answer is caused by the first push: its age covers the hold and more
     endpoint.send(1, Message(Kind.PARAMS, version=1, payload=SMALL.clone(), caused_at=received[0].received_at))
@@ -45,8 +47,8 @@ def server(group, out: str) -> None:
     return {"received": [describe(m) for m in received], "threads_left": left}
 
 
-def learner(group, out: str) -> None:
-    endpoint = LearnerEndpoint(1, group, max_numel=LARGE.numel())
+def learner(group, out: str, lanes: dict) -> None:
+    endpoint = LearnerEndpoint(1, group, max_numel=LARGE.numel(), lanes=lanes.get(0))
     endpoint.push(Message(Kind.PUSH, version=0, samples=8, loss=0.5, payload=SMALL.clone()))
     # (stamped before the push: the server may stamp its arrival before the send returns here)
     sent = time.monotonic()
@@ -65,16 +67,25 @@ def main(rank: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("TEST_PORT", "29533"))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     group = dist.new_group(backend="gloo")
+    results = {}
+    for transport in ("gloo", "lanes"):
+        lanes, flags = {}, None
+        if transport == "lanes":
+            lanes, flags = open_lanes(group, rank, slot_bytes_for(LARGE.numel(), torch.float32))
+        if rank == 0:
+            results[transport] = server(group, out, lanes)
+        else:
+            learner(group, out, lanes)
+        dist.barrier()
+        if rank == 0:
+            with open(out + ".learner") as f:
+                results[transport].update(json.load(f))
+            # payloads through each lane (int64 counters after the token): the large push, the stop
+            results[transport]["lanes"] = flags
+            results[transport]["through_lanes"] = [int(lane.control[1]) for lane in lanes.get(1, ())]
     if rank == 0:
-        result = server(group, out)
-    else:
-        learner(group, out)
-    dist.barrier()
-    if rank == 0:
-        with open(out + ".learner") as f:
-            result.update(json.load(f))
         with open(out, "w") as f:
-            json.dump(result, f)
+            json.dump(results, f)
     dist.destroy_process_group()
 
 

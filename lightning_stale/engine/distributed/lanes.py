@@ -1,0 +1,186 @@
+"""Large payloads between the server and a learner on the same host, through shared memory.
+
+On the central path every push of a remote learner and every answer to it carries the whole
+model (README, "Where each path's time goes"). Over gloo on one host that is loopback TCP: the
+sender's copy into the kernel waits for the receiving thread to drain the socket, so on busy
+cores a 14 MB push held the learner 8 to 13 ms. A lane is a file in ``/dev/shm`` mapped by both
+processes: the sender copies the payload into a free slot and sends only the header over gloo
+(``inline`` = `IN_LANE`); the receiving thread copies the payload out and marks the slot free.
+Headers still travel over gloo, in order, so the protocol, its checks and its failure detection
+are unchanged, and a payload that does not fit a slot travels over gloo as before.
+
+Setting up (`open_lanes`, collective over the server's group): every remote learner creates its
+file (space reserved with ``posix_fallocate``, so that a full ``/dev/shm`` fails here and not
+with a SIGBUS later), rank 0 maps the files whose random token it can read back (only a process
+on the same host can), every rank learns which pairs have lanes, and the files are unlinked at
+once: the mappings live on, and nothing is left in ``/dev/shm`` after the run. Where a file
+cannot be made (no ``/dev/shm``, too little space) that learner talks over gloo.
+
+Each lane has one writing thread (a learner's pushes are serialised; the server has one sender
+per learner) and one reading thread, and `SLOTS` slots used in turn: slot n % SLOTS is free once
+the reader has read message n - SLOTS. Headers leave after the payload is written (a gloo send
+is a system call, so the reader sees the bytes), and the reader frees a slot after its copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SLOTS = 2
+IN_LANE = 2  # the header's ``inline`` value of a payload waiting in the sender's lane
+_CONTROL = 64  # bytes before the slots: token, messages written, messages read (int64)
+_TOKEN, _WRITTEN, _READ = 0, 1, 2
+SHM_DIR = "/dev/shm"
+
+
+class LaneClosed(RuntimeError):
+    """The other side went away while a writer waited for a free slot."""
+
+
+class Lane:
+    """One direction between two processes: `SLOTS` slots of ``slot_bytes`` bytes each.
+
+    Args:
+        storage: uint8 shared memory of `lane_bytes` (``slot_bytes``), from `LaneFile`.
+        slot_bytes: the capacity of a slot (a multiple of 64, so every dtype's view is aligned).
+    """
+
+    def __init__(self, storage: Tensor, slot_bytes: int) -> None:
+        self.control = storage[:_CONTROL].view(torch.int64)
+        self.slot_bytes = slot_bytes
+        self._slots = [storage[_CONTROL + i * slot_bytes:_CONTROL + (i + 1) * slot_bytes]
+                       for i in range(SLOTS)]
+        self._written = self._read = 0  # this side's own count (one writer, one reader)
+
+    def fits(self, payload: Tensor) -> bool:
+        return payload.numel() * payload.element_size() <= self.slot_bytes
+
+    def write(self, payload: Tensor, closed: Callable[[], str | None]) -> None:
+        """Copy ``payload`` (flat, `fits`) into the next slot, waiting while the reader still
+        holds it; ``closed`` says why to give up waiting (the peer is gone), or None."""
+        n = self._written
+        while int(self.control[_READ]) < n - SLOTS + 1:
+            reason = closed()
+            if reason:
+                raise LaneClosed(reason)
+            time.sleep(0.0002)
+        slot = self._slots[n % SLOTS][:payload.numel() * payload.element_size()]
+        slot.view(payload.dtype).copy_(payload)
+        self._written = n + 1
+        self.control[_WRITTEN] = n + 1
+
+    def read(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """The next payload written (the header announcing it has arrived), copied out; its slot
+        is free again."""
+        n = self._read
+        if n >= int(self.control[_WRITTEN]) or numel * dtype.itemsize > self.slot_bytes:
+            raise RuntimeError(f"a header announced payload {n} of {numel} values in shared memory, "
+                               f"which holds {int(self.control[_WRITTEN])} payloads of at most "
+                               f"{self.slot_bytes} bytes")
+        out = torch.empty(numel, dtype=dtype)
+        out.copy_(self._slots[n % SLOTS][:numel * dtype.itemsize].view(dtype))
+        self._read = n + 1
+        self.control[_READ] = n + 1
+        return out
+
+
+def lane_bytes(slot_bytes: int) -> int:
+    return _CONTROL + SLOTS * slot_bytes
+
+
+def slot_bytes_for(numel: int, dtype: torch.dtype) -> int:
+    """A slot that holds ``numel`` values of ``dtype``, rounded up to 64 bytes."""
+    return -(-numel * dtype.itemsize // 64) * 64
+
+
+class LaneFile:
+    """The two lanes of one learner (up: to the server, down: from it) in one file.
+
+    `create` makes the file (the learner), `open` maps an existing one after checking its token
+    (the server); `lanes(uplink_writer)` gives (to send on, to receive on)."""
+
+    def __init__(self, path: str, storage: Tensor, slot_bytes: int) -> None:
+        self.path, self.storage, self.slot_bytes = path, storage, slot_bytes
+        size = lane_bytes(slot_bytes)
+        self.up, self.down = (Lane(storage[i * size:(i + 1) * size], slot_bytes) for i in range(2))
+
+    @classmethod
+    def create(cls, directory: str, slot_bytes: int) -> tuple[LaneFile, int]:
+        """A new file in ``directory`` and its token. Raises OSError where it cannot be made."""
+        token = secrets.randbits(62) + 1
+        path = os.path.join(directory, f"lightning_stale-{os.getpid()}-{secrets.token_hex(6)}")
+        size = 2 * lane_bytes(slot_bytes)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # space now, or OSError: never a SIGBUS later
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        lanes = cls(path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8), slot_bytes)
+        lanes.up.control[_TOKEN] = lanes.down.control[_TOKEN] = token
+        return lanes, token
+
+    @classmethod
+    def open(cls, path: str, token: int, slot_bytes: int) -> LaneFile | None:
+        """The learner's file, if this process sees it with ``token`` (the same host), else None."""
+        size = 2 * lane_bytes(slot_bytes)
+        try:
+            if os.path.getsize(path) != size:
+                return None
+            lanes = cls(path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8), slot_bytes)
+        except (OSError, RuntimeError):
+            return None
+        ok = int(lanes.up.control[_TOKEN]) == token == int(lanes.down.control[_TOKEN])
+        return lanes if ok else None
+
+    def unlink(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
+               directory: str = SHM_DIR) -> tuple[dict[int, tuple[Lane, Lane]], list[bool]]:
+    """The lanes between the server (rank 0) and every remote learner on its host; collective
+    over ``group`` (every rank calls it).
+
+    Returns this rank's lanes by peer, as (to send on, to receive on): on rank 0 one pair per
+    learner that has them, on a learner at most one (peer 0); and, for every rank, whether it
+    has lanes (rank 0: False)."""
+    made, token = None, 0
+    if rank != 0 and enabled:
+        try:
+            made, token = LaneFile.create(directory, slot_bytes)
+        except OSError as exc:
+            log.info("learner %d: no shared memory with the server (%s); payloads go over gloo",
+                     rank, exc)
+    offers = [None] * dist.get_world_size(group)
+    dist.all_gather_object(offers, (made.path, token) if made else None, group=group)
+    mapped: dict[int, LaneFile] = {}
+    if rank == 0:
+        for peer, offer in enumerate(offers):
+            found = LaneFile.open(offer[0], offer[1], slot_bytes) if offer else None
+            if found is not None:
+                mapped[peer] = found
+    flags = [[peer in mapped for peer in range(len(offers))]]
+    dist.broadcast_object_list(flags, src=0, group=group)
+    flags = flags[0]
+    if made is not None:
+        made.unlink()  # rank 0 has mapped it, or never will
+        if flags[rank]:
+            mapped[0] = made
+    if rank == 0:
+        return {peer: (f.down, f.up) for peer, f in mapped.items()}, flags
+    return ({0: (made.up, made.down)} if 0 in mapped else {}), flags

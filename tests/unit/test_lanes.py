@@ -1,0 +1,119 @@
+"""Shared-memory lanes (`engine.distributed.lanes`), driven in one process: both ends of a lane
+are mappings of the same file, as they are in two processes of one host."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_stale.engine.distributed.lanes import IN_LANE, SLOTS, LaneClosed, LaneFile, slot_bytes_for
+from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.transport import decode, encode
+
+
+def open_pair(tmp_path, numel=1000, dtype=torch.float32):
+    """The learner's file and the server's mapping of it."""
+    slot = slot_bytes_for(numel, dtype)
+    made, token = LaneFile.create(str(tmp_path), slot)
+    mapped = LaneFile.open(made.path, token, slot)
+    assert mapped is not None
+    return made, mapped
+
+
+def never():
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.uint8])
+def test_payloads_cross_in_order_through_every_slot(tmp_path, dtype):
+    learner, server = open_pair(tmp_path, 1000, dtype)
+    for i in range(3 * SLOTS):  # round the slots three times, each message read before the next
+        sent = (torch.arange(1000) % 200 + i).to(dtype)
+        learner.up.write(sent, never)
+        received = server.up.read(1000, dtype)
+        assert received.dtype == dtype and torch.equal(received, sent)
+    # and the other way, with payloads shorter than a slot
+    server.down.write(torch.ones(7, dtype=dtype), never)
+    assert torch.equal(learner.down.read(7, dtype), torch.ones(7, dtype=dtype))
+
+
+def test_a_read_payload_is_a_copy_the_next_write_cannot_change(tmp_path):
+    learner, server = open_pair(tmp_path)
+    first = torch.full((1000,), 1.0)
+    learner.up.write(first, never)
+    got = server.up.read(1000, torch.float32)
+    for value in range(2, 2 + SLOTS):
+        learner.up.write(torch.full((1000,), float(value)), never)
+    assert torch.equal(got, first)
+
+
+def test_the_writer_waits_for_a_free_slot_and_gives_up_when_the_peer_is_gone(tmp_path):
+    learner, server = open_pair(tmp_path)
+    for i in range(SLOTS):  # every slot written, none read
+        learner.up.write(torch.full((1000,), float(i)), never)
+    done = threading.Event()
+
+    def third():
+        learner.up.write(torch.full((1000,), 9.0), never)
+        done.set()
+
+    writer = threading.Thread(target=third, daemon=True)
+    writer.start()
+    time.sleep(0.2)
+    assert not done.is_set()  # it would overwrite payload 0, which was not read
+    assert torch.equal(server.up.read(1000, torch.float32), torch.zeros(1000))
+    assert done.wait(5)
+    assert [float(server.up.read(1000, torch.float32)[0]) for _ in range(2)] == [1.0, 9.0]
+    for _ in range(SLOTS):
+        learner.up.write(torch.zeros(1000), never)
+    with pytest.raises(LaneClosed, match="the server died"):
+        learner.up.write(torch.zeros(1000), lambda: "the server died")
+
+
+def test_a_read_without_a_payload_written_or_larger_than_a_slot_is_an_error(tmp_path):
+    learner, server = open_pair(tmp_path)
+    with pytest.raises(RuntimeError, match="holds 0 payloads"):
+        server.up.read(10, torch.float32)
+    learner.up.write(torch.zeros(10), never)
+    with pytest.raises(RuntimeError, match="of at most 4032 bytes"):
+        server.up.read(5000, torch.float32)
+
+
+def test_only_a_process_that_reads_the_token_maps_the_file(tmp_path):
+    slot = slot_bytes_for(1000, torch.float32)
+    made, token = LaneFile.create(str(tmp_path), slot)
+    assert LaneFile.open(made.path, token + 1, slot) is None  # another host's file of that name
+    assert LaneFile.open(made.path, token, slot + 64) is None  # another model's size
+    assert LaneFile.open(str(tmp_path / "missing"), token, slot) is None
+    made.unlink()
+    assert os.listdir(tmp_path) == [] and LaneFile.open(made.path, token, slot) is None
+    made.up.write(torch.ones(3), never)  # the mapping outlives the name
+    assert torch.equal(made.up.read(3, torch.float32), torch.ones(3))
+
+
+def test_no_space_for_the_file_is_an_oserror_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space"):
+        LaneFile.create(str(tmp_path), 4096)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_large_payload_that_fits_goes_through_the_lane_and_one_that_does_not_over_gloo(tmp_path):
+    learner, server = open_pair(tmp_path, 100_000)
+    big = torch.randn(100_000)
+    frame, after = encode(Message(Kind.PUSH, 1, version=4, payload=big), learner.up)
+    message, numel, dtype, where = decode(frame, "learner 1", 200_000)
+    assert after is None and (numel, dtype, where) == (100_000, torch.float32, IN_LANE)
+    assert message.version == 4 and torch.equal(server.up.read(numel, dtype), big)
+    too_big = torch.randn(100_001)
+    frame, after = encode(Message(Kind.PUSH, 1, payload=too_big), learner.up)
+    assert torch.equal(after, too_big) and decode(frame, "learner 1", 200_000)[3] == 0
+    small = torch.randn(10)  # inside the frame, as without a lane
+    frame, after = encode(Message(Kind.PUSH, 1, payload=small), learner.up)
+    assert after is None and decode(frame, "learner 1", 200_000)[3] == 1
+    assert int(learner.up.control[1]) == 1  # the lane carried only the first
