@@ -9,8 +9,8 @@ this benchmark's processes only and adding up the time each thread spends inside
 * ``pack``: the gradients flattened into one push vector (``exchange.fill_push``, or on the
   collective path ``exchange.after_push``, once the header has left);
 * ``send``: handing the push over (``exchange.before_push`` and ``LearnerEndpoint.push``:
-  central: the vector to the gloo sender thread or, on rank 0, the in-process queue; sharded:
-  the pieces to the mesh's sender threads; collective: the header only);
+  central: the vector over gloo or into a shared-memory lane or, on rank 0, the in-process
+  queue; sharded: the pieces to the mesh's sender threads; collective: the header only);
 * ``wait``: waiting for the answer (``Learner._wait``: the other learners, the decision's round
   trip, and on the central path the server's averaging and optimizer step);
 * ``resolve``: the sharded path's wait for every owner's slice of the new parameters;
