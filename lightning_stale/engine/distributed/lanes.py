@@ -42,6 +42,7 @@ IN_LANE = 2  # the header's ``inline`` value of a payload waiting in the sender'
 _CONTROL = 64  # bytes before the slots: token, messages written, messages read (int64)
 _TOKEN, _WRITTEN, _READ = 0, 1, 2
 SHM_DIR = "/dev/shm"
+_OFFER_BYTES = 8 + 512  # a learner's token and its file's path, for rank 0
 
 
 class LaneClosed(RuntimeError):
@@ -166,17 +167,28 @@ def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
         except OSError as exc:
             log.info("learner %d: no shared memory with the server (%s); payloads go over gloo",
                      rank, exc)
-    offers = [None] * dist.get_world_size(group)
-    dist.all_gather_object(offers, (made.path, token) if made else None, group=group)
+    # (tensors, not pickled objects: nothing a peer sends is unpickled)
+    offer = torch.zeros(_OFFER_BYTES, dtype=torch.uint8)
+    if made is not None and len(made.path.encode()) > _OFFER_BYTES - 8:
+        made.unlink()  # a path this long cannot be offered (a test's directory): gloo
+        made = None
+    if made is not None:
+        name = made.path.encode()
+        offer[:8] = torch.frombuffer(bytearray(token.to_bytes(8, "little")), dtype=torch.uint8)
+        offer[8:8 + len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+    offers = [torch.zeros_like(offer) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(offers, offer, group=group)
     mapped: dict[int, LaneFile] = {}
     if rank == 0:
-        for peer, offer in enumerate(offers):
-            found = LaneFile.open(offer[0], offer[1], slot_bytes) if offer else None
+        for peer, data in enumerate(offers):
+            raw = bytes(data.tolist())
+            peer_token, name = int.from_bytes(raw[:8], "little"), raw[8:].rstrip(b"\0").decode(errors="replace")
+            found = LaneFile.open(name, peer_token, slot_bytes) if peer_token else None
             if found is not None:
                 mapped[peer] = found
-    flags = [[peer in mapped for peer in range(len(offers))]]
-    dist.broadcast_object_list(flags, src=0, group=group)
-    flags = flags[0]
+    has = torch.tensor([peer in mapped for peer in range(len(offers))], dtype=torch.uint8)
+    dist.broadcast(has, src=0, group=group)
+    flags = [bool(v) for v in has.tolist()]
     if made is not None:
         made.unlink()  # rank 0 has mapped it, or never will
         if flags[rank]:
