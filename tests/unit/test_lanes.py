@@ -117,3 +117,46 @@ def test_a_large_payload_that_fits_goes_through_the_lane_and_one_that_does_not_o
     frame, after = encode(Message(Kind.PUSH, 1, payload=small), learner.up)
     assert after is None and decode(frame, "learner 1", 200_000)[3] == 1
     assert int(learner.up.control[1]) == 1  # the lane carried only the first
+
+
+def test_a_payload_packed_in_the_next_slot_is_sent_from_there_and_work_thrown_away_leaves_nothing(tmp_path):
+    n = 100_000  # 400 KB: over a frame's inline payload
+    learner, server = open_pair(tmp_path, n)
+    thrown = learner.up.reserve(4 * n, never).view(torch.float32)
+    thrown.fill_(7.0)  # a push packed, then cancelled before it left: never written
+    packed = learner.up.reserve(4 * n, never).view(torch.float32)
+    assert packed.data_ptr() == thrown.data_ptr()  # still the next slot
+    packed.copy_(torch.arange(float(n)))
+    frame, after = encode(Message(Kind.PUSH, 1, payload=packed), learner.up)
+    assert after is None and int(learner.up.control[1]) == 1
+    assert torch.equal(server.up.read(n, torch.float32), torch.arange(float(n)))
+    learner.up.write(torch.ones(n), never)  # a payload from elsewhere is copied in
+    assert torch.equal(server.up.read(n, torch.float32), torch.ones(n))
+
+
+def test_a_central_learner_packs_its_push_into_the_lane(tmp_path):
+    from lightning_stale.engine.distributed.learner import CentralExchange
+    from lightning_stale.engine.state import ModelVectors
+
+    learner, server = open_pair(tmp_path, 1000)
+    layer = torch.nn.Linear(20, 30)
+    vectors = ModelVectors.of(layer)
+    slots = []
+
+    def buffer(numel, dtype):
+        slots.append(numel)
+        return learner.up.reserve(numel * dtype.itemsize, never).view(dtype)
+
+    exchange = CentralExchange(vectors, buffer)
+    layer(torch.randn(4, 20)).sum().backward()
+    message = Message(Kind.PUSH, 1)
+    exchange.fill_push(message)
+    assert slots == [vectors.state_numel] and not message.flags  # every gradient there: no mask
+    expected = torch.cat([layer.weight.grad.reshape(-1), layer.bias.grad])
+    assert torch.equal(message.payload, expected)
+    learner.up.write(message.payload, never)
+    assert torch.equal(server.up.read(vectors.state_numel, torch.float32), expected)
+    layer.bias.grad = None  # a missing gradient: the presence mask follows, in the same slot
+    exchange.fill_push(message := Message(Kind.PUSH, 1))
+    assert slots[-1] == vectors.state_numel + 2 and message.flags
+    assert message.payload.numel() == slots[-1] and message.payload[-2:].tolist() == [1.0, 0.0]

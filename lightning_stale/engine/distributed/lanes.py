@@ -67,19 +67,32 @@ class Lane:
     def fits(self, payload: Tensor) -> bool:
         return payload.numel() * payload.element_size() <= self.slot_bytes
 
+    def reserve(self, nbytes: int, closed: Callable[[], str | None]) -> Tensor:
+        """The next slot's first ``nbytes`` (uint8), once the reader no longer holds it, to be
+        filled in place and then passed to `write`, which then copies nothing. Until that write,
+        the slot stays the next one: work thrown away leaves nothing to undo."""
+        self._wait_free(closed)
+        return self._slots[self._written % SLOTS][:nbytes]
+
     def write(self, payload: Tensor, closed: Callable[[], str | None]) -> None:
         """Copy ``payload`` (flat, `fits`) into the next slot, waiting while the reader still
-        holds it; ``closed`` says why to give up waiting (the peer is gone), or None."""
+        holds it (``closed`` says why to give up waiting: the peer is gone), unless it was
+        filled there in place (`reserve`); the reader may then take it."""
+        n = self._written
+        slot = self._slots[n % SLOTS]
+        if payload.data_ptr() != slot.data_ptr():
+            self._wait_free(closed)
+            slot[:payload.numel() * payload.element_size()].view(payload.dtype).copy_(payload)
+        self._written = n + 1
+        self.control[_WRITTEN] = n + 1
+
+    def _wait_free(self, closed: Callable[[], str | None]) -> None:
         n = self._written
         while int(self.control[_READ]) < n - SLOTS + 1:
             reason = closed()
             if reason:
                 raise LaneClosed(reason)
             time.sleep(0.0002)
-        slot = self._slots[n % SLOTS][:payload.numel() * payload.element_size()]
-        slot.view(payload.dtype).copy_(payload)
-        self._written = n + 1
-        self.control[_WRITTEN] = n + 1
 
     def read(self, numel: int, dtype: torch.dtype) -> Tensor:
         """The next payload written (the header announcing it has arrived), copied out; its slot

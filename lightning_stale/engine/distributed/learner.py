@@ -75,12 +75,18 @@ class CentralExchange:
 
     schedules = None  # the server steps the LR schedulers
 
-    def __init__(self, vectors: ModelVectors) -> None:
-        self.vectors = vectors
+    def __init__(self, vectors: ModelVectors,
+                 buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None) -> None:
+        self.vectors, self.buffer = vectors, buffer
 
     def fill_push(self, message: Message) -> None:
-        """The gradient, taken when the mini-batch's computation ends."""
-        message.payload, masked = self.vectors.push_vector()
+        """The gradient, taken when the mini-batch's computation ends; packed straight into
+        shared memory where ``buffer`` (`LearnerEndpoint.push_buffer`) offers a place."""
+        vectors = self.vectors
+        missing = any(p.grad is None for p in vectors.params)
+        numel = vectors.state_numel + (len(vectors.params) if missing else 0)
+        out = self.buffer(numel, vectors.dtype) if self.buffer is not None else None
+        message.payload, masked = vectors.push_vector(out=out)
         if masked:
             message.flags |= Flag.MASKED
 
@@ -121,7 +127,8 @@ class Learner:
                  server_error: Callable[[], str | None] = lambda: None,
                  server_timeout: float = 30.0) -> None:
         self.endpoint, self.vectors, self.delay = endpoint, vectors, delay
-        self.exchange = CentralExchange(vectors) if exchange is None else exchange
+        self.exchange = (CentralExchange(vectors, getattr(endpoint, "push_buffer", None))
+                         if exchange is None else exchange)
         self.waits_for_answer = waits_for_answer
         self.clock = MiniBatchClock(delay_is_total)
         self.rank = endpoint.rank

@@ -290,6 +290,18 @@ class LearnerEndpoint:
     def local(self) -> bool:
         return self._local_server is not None
 
+    def push_buffer(self, numel: int, dtype: torch.dtype) -> Tensor | None:
+        """Where to pack the next push's payload of ``numel`` values so that it leaves without
+        a copy: a view of the next slot of this learner's lane to the server, or None (no lane,
+        or a payload that travels inside its frame or does not fit a slot)."""
+        lane, nbytes = self._lanes[0], numel * dtype.itemsize
+        if lane is None or nbytes <= INLINE_PAYLOAD_BYTES or nbytes > lane.slot_bytes:
+            return None
+        try:
+            return lane.reserve(nbytes, lambda: self.failure).view(dtype)
+        except LaneClosed as exc:
+            raise TransportError(str(exc)) from None
+
     def push(self, message: Message) -> None:
         message.learner = self.rank
         if self._local_server is not None:
