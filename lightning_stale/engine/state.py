@@ -107,11 +107,12 @@ class ModelVectors:
                 dst.copy_(src.round() if not dst.is_floating_point() else src, non_blocking=True)
 
     def push_vector(self, mask: bool = False, device: torch.device | None = None,
-                    out: Tensor | None = None) -> tuple[Tensor, bool]:
+                    out: Tensor | Callable[[int], Tensor | None] | None = None) -> tuple[Tensor, bool]:
         """Gradients (zeros where missing), buffers and, if some gradient is missing (or
         ``mask``), a presence mask; and whether the mask is there. On ``device`` (default CPU),
         written into ``out`` when it is given and has the right size (a recycled vector: a fresh
-        one of a large model costs a page-faulting allocation per push)."""
+        one of a large model costs a page-faulting allocation per push), or into what ``out``
+        returns for the size, if it is a callable (a place in shared memory, or None)."""
         device = torch.device("cpu") if device is None else device
         grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
                  for p in self.params]
@@ -123,7 +124,10 @@ class ModelVectors:
             parts.append(torch.tensor([g is not None for g in grads], dtype=self.dtype, device=device))
         if not parts:
             return torch.zeros(0, dtype=self.dtype, device=device), masked
-        if out is not None and out.numel() == sum(t.numel() for t in parts) and out.device == parts[0].device:
+        total = sum(t.numel() for t in parts)
+        if callable(out):
+            out = out(total)
+        if out is not None and out.numel() == total and out.device == parts[0].device:
             return torch.cat(parts, out=out), masked
         return torch.cat(parts), masked
 

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from lightning_stale.engine.distributed.lanes import IN_LANE, SLOTS, LaneClosed, LaneFile, slot_bytes_for
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.lanes import SLOTS, LaneClosed, LaneFile, slot_bytes_for
+from lightning_stale.engine.distributed.messages import IN_LANE, Kind, Message, TransportError
 from lightning_stale.engine.distributed.transport import decode, encode
 
 
@@ -68,8 +68,9 @@ def test_the_writer_waits_for_a_free_slot_and_gives_up_when_the_peer_is_gone(tmp
     assert [float(server.up.read(1000, torch.float32)[0]) for _ in range(2)] == [1.0, 9.0]
     for _ in range(SLOTS):
         learner.up.write(torch.zeros(1000), never)
-    with pytest.raises(LaneClosed, match="the server died"):
+    with pytest.raises(LaneClosed, match="the server died") as closed:
         learner.up.write(torch.zeros(1000), lambda: "the server died")
+    assert isinstance(closed.value, TransportError)  # as a broken gloo connection would be
 
 
 def test_a_read_without_a_payload_written_or_larger_than_a_slot_is_an_error(tmp_path):
@@ -127,7 +128,13 @@ def test_a_payload_packed_in_the_next_slot_is_sent_from_there_and_work_thrown_aw
     packed = learner.up.reserve(4 * n, never).view(torch.float32)
     assert packed.data_ptr() == thrown.data_ptr()  # still the next slot
     packed.copy_(torch.arange(float(n)))
+
+    def copying(closed):  # only a payload from elsewhere waits for its slot, to be copied there
+        raise AssertionError("a payload packed in its slot was copied")
+
+    learner.up._wait_free, wait_free = copying, learner.up._wait_free
     frame, after = encode(Message(Kind.PUSH, 1, payload=packed), learner.up)
+    learner.up._wait_free = wait_free
     assert after is None and int(learner.up.control[1]) == 1
     assert torch.equal(server.up.read(n, torch.float32), torch.arange(float(n)))
     learner.up.write(torch.ones(n), never)  # a payload from elsewhere is copied in

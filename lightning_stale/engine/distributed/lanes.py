@@ -5,7 +5,7 @@ model (README, "Where each path's time goes"). Over gloo on one host that is loo
 sender's copy into the kernel waits for the receiving thread to drain the socket, so on busy
 cores a 14 MB push held the learner 8 to 13 ms. A lane is a file in ``/dev/shm`` mapped by both
 processes: the sender copies the payload into a free slot and sends only the header over gloo
-(``inline`` = `IN_LANE`); the receiving thread copies the payload out and marks the slot free.
+(``inline`` = `messages.IN_LANE`); the receiving thread copies the payload out and marks the slot free.
 Headers still travel over gloo, in order, so the protocol, its checks and its failure detection
 are unchanged, and a payload that does not fit a slot travels over gloo as before.
 
@@ -35,17 +35,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_stale.engine.distributed.messages import INLINE_PAYLOAD_BYTES, TransportError
+
 log = logging.getLogger(__name__)
 
 SLOTS = 2
-IN_LANE = 2  # the header's ``inline`` value of a payload waiting in the sender's lane
 _CONTROL = 64  # bytes before the slots: token, messages written, messages read (int64)
 _TOKEN, _WRITTEN, _READ = 0, 1, 2
 SHM_DIR = "/dev/shm"
 _OFFER_BYTES = 8 + 512  # a learner's token and its file's path, for rank 0
 
 
-class LaneClosed(RuntimeError):
+class LaneClosed(TransportError):
     """The other side went away while a writer waited for a free slot."""
 
 
@@ -64,8 +65,10 @@ class Lane:
                        for i in range(SLOTS)]
         self._written = self._read = 0  # this side's own count (one writer, one reader)
 
-    def fits(self, payload: Tensor) -> bool:
-        return payload.numel() * payload.element_size() <= self.slot_bytes
+    def carries(self, nbytes: int) -> bool:
+        """Whether a payload of ``nbytes`` travels here: too large for its header's frame (which
+        carries it with no copy at all), small enough for a slot."""
+        return INLINE_PAYLOAD_BYTES < nbytes <= self.slot_bytes
 
     def reserve(self, nbytes: int, closed: Callable[[], str | None]) -> Tensor:
         """The next slot's first ``nbytes`` (uint8), once the reader no longer holds it, to be
@@ -75,7 +78,7 @@ class Lane:
         return self._slots[self._written % SLOTS][:nbytes]
 
     def write(self, payload: Tensor, closed: Callable[[], str | None]) -> None:
-        """Copy ``payload`` (flat, `fits`) into the next slot, waiting while the reader still
+        """Copy ``payload`` (flat, `carries` its size) into the next slot, waiting while the reader still
         holds it (``closed`` says why to give up waiting: the peer is gone), unless it was
         filled there in place (`reserve`); the reader may then take it."""
         n = self._written
@@ -122,7 +125,7 @@ class LaneFile:
     """The two lanes of one learner (up: to the server, down: from it) in one file.
 
     `create` makes the file (the learner), `open` maps an existing one after checking its token
-    (the server); `lanes(uplink_writer)` gives (to send on, to receive on)."""
+    (the server)."""
 
     def __init__(self, path: str, storage: Tensor, slot_bytes: int) -> None:
         self.path, self.storage, self.slot_bytes = path, storage, slot_bytes
@@ -166,13 +169,12 @@ class LaneFile:
 
 
 def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
-               directory: str = SHM_DIR) -> tuple[dict[int, tuple[Lane, Lane]], list[bool]]:
+               directory: str = SHM_DIR) -> dict[int, tuple[Lane, Lane]]:
     """The lanes between the server (rank 0) and every remote learner on its host; collective
     over ``group`` (every rank calls it).
 
     Returns this rank's lanes by peer, as (to send on, to receive on): on rank 0 one pair per
-    learner that has them, on a learner at most one (peer 0); and, for every rank, whether it
-    has lanes (rank 0: False)."""
+    learner that has them, on a learner at most one (peer 0)."""
     made, token = None, 0
     if rank != 0 and enabled:
         try:
@@ -201,11 +203,8 @@ def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
                 mapped[peer] = found
     has = torch.tensor([peer in mapped for peer in range(len(offers))], dtype=torch.uint8)
     dist.broadcast(has, src=0, group=group)
-    flags = [bool(v) for v in has.tolist()]
     if made is not None:
         made.unlink()  # rank 0 has mapped it, or never will
-        if flags[rank]:
-            mapped[0] = made
     if rank == 0:
-        return {peer: (f.down, f.up) for peer, f in mapped.items()}, flags
-    return ({0: (made.up, made.down)} if 0 in mapped else {}), flags
+        return {peer: (f.down, f.up) for peer, f in mapped.items()}
+    return {0: (made.up, made.down)} if made is not None and has[rank] else {}

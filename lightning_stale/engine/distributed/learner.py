@@ -82,11 +82,9 @@ class CentralExchange:
     def fill_push(self, message: Message) -> None:
         """The gradient, taken when the mini-batch's computation ends; packed straight into
         shared memory where ``buffer`` (`LearnerEndpoint.push_buffer`) offers a place."""
-        vectors = self.vectors
-        missing = any(p.grad is None for p in vectors.params)
-        numel = vectors.state_numel + (len(vectors.params) if missing else 0)
-        out = self.buffer(numel, vectors.dtype) if self.buffer is not None else None
-        message.payload, masked = vectors.push_vector(out=out)
+        buffer, dtype = self.buffer, self.vectors.dtype
+        place = None if buffer is None else (lambda numel: buffer(numel, dtype))
+        message.payload, masked = self.vectors.push_vector(out=place)
         if masked:
             message.flags |= Flag.MASKED
 

@@ -33,12 +33,12 @@ from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.collective import CollectiveExchange, CollectivePayloads
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.mesh import DataMesh
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.messages import INLINE_PAYLOAD_BYTES, Kind, Message
 from lightning_stale.engine.distributed.server import CentralPayloads, ParameterServer
 from lightning_stale.engine.distributed.sharded import (ShardedExchange, ShardedPayloads, ShardLayout,
                                                         ShardOwner)
 from lightning_stale.engine.distributed.lanes import open_lanes, slot_bytes_for
-from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES, LearnerEndpoint, ServerEndpoint
+from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, ServerState
 from lightning_stale.method.adaptive import AdaptiveK
@@ -146,7 +146,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
     if options.path == "central" and group is not None and slot_bytes > INLINE_PAYLOAD_BYTES:
         # (smaller payloads travel inside their header's frame.) Collective: every rank takes
         # part, whether or not it can share memory with rank 0.
-        lanes, _ = open_lanes(group, rank, slot_bytes, enabled=options.shared_memory)
+        lanes = open_lanes(group, rank, slot_bytes, enabled=options.shared_memory)
     if rank == 0:
         if options.path in ("collective", "sharded"):
             core = ServerCore(variant, None, limits, options.adaptive, options.compensation,

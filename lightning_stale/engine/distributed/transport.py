@@ -6,7 +6,8 @@ on the default group never interleave with server traffic). A
 message is one frame: the header (`messages.HEADER`) with the payload behind it when the payload
 is small (up to INLINE_PAYLOAD_BYTES), else the header alone followed by the payload as a second
 gloo message, or, between the server and a learner on the same host, with the payload in
-shared memory (`lanes`; the central path's pushes and answers carry the whole model). The receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it.
+shared memory (`lanes`; the central path's pushes and answers carry the whole model). The
+receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it.
 The learner on the server's own rank uses in-process queues instead: gloo cannot send to oneself.
 
 Blocking is kept off the decision loop and away from other learners: every remote learner has
@@ -27,17 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_stale.engine.distributed.lanes import IN_LANE, Lane, LaneClosed
-from lightning_stale.engine.distributed.messages import (HEADER_BYTES, OWNER_KINDS, Kind, Message,
+from lightning_stale.engine.distributed.lanes import Lane, LaneClosed
+from lightning_stale.engine.distributed.messages import (HEADER_BYTES, IN_LANE, INLINE, INLINE_PAYLOAD_BYTES,
+                                                         OWNER_KINDS, SEPARATE, Kind, Message,
                                                          TransportError, coalesce, decode_header,
                                                          encode_header, payload_text)
 
 UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and server->learner
-# Payloads up to this size travel inside the header's frame: one gloo message per message
-# instead of two, which halves the latency of a push or an answer for the models where latency,
-# not bandwidth, dominates (the digits MLP is 19 KB). Larger payloads follow their header as a
-# second message, so that they are not copied into a frame.
-INLINE_PAYLOAD_BYTES = 256 * 1024
 FRAME_BYTES = HEADER_BYTES + INLINE_PAYLOAD_BYTES
 # The largest payloads a receiver accepts besides the model's own size: a goodbye's delays, and
 # the reason of an abort (utf-8 bytes).
@@ -53,12 +50,12 @@ def encode(message: Message, lane: Lane | None = None,
     a free slot until ``closed`` gives a reason)."""
     payload = None if message.payload is None else message.payload.reshape(-1)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-    where = 0 if payload is None else 1 if nbytes <= INLINE_PAYLOAD_BYTES else \
-        IN_LANE if lane is not None and lane.fits(payload) else 0
-    frame = torch.empty(HEADER_BYTES + (nbytes if where == 1 else 0), dtype=torch.uint8)
+    where = (SEPARATE if payload is None else INLINE if nbytes <= INLINE_PAYLOAD_BYTES else
+             IN_LANE if lane is not None and lane.carries(nbytes) else SEPARATE)
+    frame = torch.empty(HEADER_BYTES + (nbytes if where == INLINE else 0), dtype=torch.uint8)
     frame[:HEADER_BYTES] = torch.frombuffer(bytearray(encode_header(message, payload, where)),
                                             dtype=torch.uint8)
-    if where == 1:
+    if where == INLINE:
         frame[HEADER_BYTES:].view(payload.dtype).copy_(payload)
         return frame, None
     if where == IN_LANE:
@@ -68,12 +65,11 @@ def encode(message: Message, lane: Lane | None = None,
 
 
 def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
-    """The message of a received frame, its payload's size and dtype, and where the payload is:
-    0 in a second gloo message, 1 inside the frame (then it is set on the message, as a copy),
-    `IN_LANE` in the sender's shared-memory lane."""
+    """The message of a received frame, its payload's size and dtype, and where the payload is
+    (`SEPARATE`, `INLINE`: then it is set on the message, as a copy, or `IN_LANE`)."""
     message, numel, dtype, where = decode_header(frame[:HEADER_BYTES].numpy().tobytes(), sender,
                                                  max_numel)
-    if numel and where == 1:
+    if numel and where == INLINE:
         nbytes = numel * dtype.itemsize
         if HEADER_BYTES + nbytes > frame.numel():
             raise TransportError(f"{sender} announced an inline payload of {nbytes} bytes, larger "
@@ -102,7 +98,7 @@ def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
             raise TransportError(f"{sender} sent a payload through shared memory, which this "
                                  "process does not share with it")
         message.payload = lane.read(numel, dtype)
-    elif numel and where == 0:
+    elif numel and where == SEPARATE:
         message.payload = torch.empty(numel, dtype=dtype)
         dist.recv(message.payload, src=src, group=group, tag=tags[1])
     message.received_at = time.monotonic()
@@ -295,12 +291,9 @@ class LearnerEndpoint:
         a copy: a view of the next slot of this learner's lane to the server, or None (no lane,
         or a payload that travels inside its frame or does not fit a slot)."""
         lane, nbytes = self._lanes[0], numel * dtype.itemsize
-        if lane is None or nbytes <= INLINE_PAYLOAD_BYTES or nbytes > lane.slot_bytes:
+        if lane is None or not lane.carries(nbytes):
             return None
-        try:
-            return lane.reserve(nbytes, lambda: self.failure).view(dtype)
-        except LaneClosed as exc:
-            raise TransportError(str(exc)) from None
+        return lane.reserve(nbytes, self._failed).view(dtype)  # LaneClosed: a TransportError
 
     def push(self, message: Message) -> None:
         message.learner = self.rank
@@ -308,10 +301,10 @@ class LearnerEndpoint:
             self._local_server.receive_local(message)
             return
         with self._send_lock:
-            try:
-                send(message, 0, self.group, (UP, UP_DATA), self._lanes[0], lambda: self.failure)
-            except LaneClosed as exc:
-                raise TransportError(str(exc)) from None
+            send(message, 0, self.group, (UP, UP_DATA), self._lanes[0], self._failed)
+
+    def _failed(self) -> str | None:
+        return self.failure  # (read by a writer waiting for a slot of its lane)
 
     def _receive_loop(self) -> None:
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)

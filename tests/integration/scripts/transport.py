@@ -71,7 +71,8 @@ def main(rank: int, out: str) -> None:
     for transport in ("gloo", "lanes"):
         lanes, flags = {}, None
         if transport == "lanes":
-            lanes, flags = open_lanes(group, rank, slot_bytes_for(LARGE.numel(), torch.float32))
+            lanes = open_lanes(group, rank, slot_bytes_for(LARGE.numel(), torch.float32))
+            flags = [peer in lanes for peer in range(2)] if rank == 0 else None  # who has lanes
         if rank == 0:
             results[transport] = server(group, out, lanes)
         else:
