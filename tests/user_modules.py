@@ -131,6 +131,20 @@ class FrozenBackbone(Classifier):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
 
 
+class WideFrozenBatchNorm(WarmupAdamW):
+    """AdamW with a warm-up, a frozen "pretrained" backbone and a BatchNorm head of 0.07M
+    parameters: its gradients (0.29 MB) are too large for one message frame."""
+
+    def __init__(self, width: int = 512):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).requires_grad_(False)
+        self.net = nn.Sequential(nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(),
+                                 nn.Linear(width, 128), nn.ReLU(), nn.Linear(128, 3))
+
+    def forward(self, x):
+        return self.net(self.backbone(x))
+
+
 class UnusedHead(Classifier):
     """A second head that training never uses, under AdamW's weight decay: no gradient reaches
     it, so under DDP (``ddp_find_unused_parameters_true``) it never moves."""

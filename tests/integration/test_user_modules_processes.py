@@ -136,6 +136,22 @@ def test_frozen_backbone_on_the_sharded_path(runs):
     assert books_balance(run["stats"]) and run["stats"]["updates"] > 0
 
 
+def test_a_module_too_large_for_a_frame_trains_through_shared_memory(runs):
+    """A frozen backbone, BatchNorm and AdamW with a warm-up on the central path, every push and
+    answer of learner 1 crossing in shared memory."""
+    from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES
+
+    run = runs["wide@central"]
+    stats = run["stats"]
+    assert run["push_bytes"] > INLINE_PAYLOAD_BYTES
+    assert stats["server_path"] == "central" and stats["shared_memory_learners"] == [1]
+    assert run["same_on_every_learner"] == [True] * 2 and run["same_after_fit"]
+    assert run["backbone_unchanged"] and run["head_moved"]
+    # Async: 2 learners x 6 DDP steps per epoch, 2 epochs; the warm-up is over by the end
+    assert run["total_steps"] == stats["updates"] == 24 and run["lr"] == pytest.approx(run["configured_lr"])
+    assert books_balance(stats) and min(stats["pushes_per_learner"]) > 0
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="`lightning` is not installed"
 )

@@ -20,7 +20,7 @@ import user_modules as um  # noqa: E402
 from common import QUIET, write_results  # noqa: E402
 from lightning_stale import StaleStrategy  # noqa: E402
 from lightning_stale.engine.core import ServerCore  # noqa: E402
-from lightning_stale.engine.state import ServerState  # noqa: E402
+from lightning_stale.engine.state import ModelVectors, ServerState  # noqa: E402
 
 torch.set_num_threads(1)
 results = {}
@@ -296,6 +296,24 @@ if trainer.global_rank == 0:
         "trainable_tensors": sum(1 for p in model.parameters() if p.requires_grad),
         "same_after_fit": same,
         "stats": trainer.strategy.stats,
+    }
+
+# The central path with a module whose pushes and answers cross in shared memory (frozen backbone,
+# BatchNorm, AdamW with a warm-up), K-async on its default ('auto') path.
+pl.seed_everything(0)
+model, books = um.WideFrozenBatchNorm(), Books()
+frozen = {k: v.clone() for k, v in model.backbone.state_dict().items()}
+head = {k: v.clone() for k, v in model.net.state_dict().items()}
+trainer = fit(model, um.BlobData(), StaleStrategy("k_async", 1, record_trace=False), [books], max_epochs=2)
+same = same_everywhere(trainer, model)
+if trainer.global_rank == 0:
+    results["wide@central"] = {
+        "same_on_every_learner": books.same, "same_after_fit": same,
+        "backbone_unchanged": all(torch.equal(v, model.backbone.state_dict()[k]) for k, v in frozen.items()),
+        "head_moved": any(not torch.equal(v, model.net.state_dict()[k]) for k, v in head.items()),
+        "push_bytes": 4 * ModelVectors.of(model).max_push_numel(),
+        "total_steps": model.total_steps, "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "configured_lr": model.hparams.lr, "stats": trainer.strategy.stats,
     }
 
 # The same processes under a lightning.pytorch Trainer.
