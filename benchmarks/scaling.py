@@ -10,8 +10,9 @@ default 2 then 4) and size, every mode runs interleaved ``--repeats`` times:
   x (P - 1) reach `ranks.SHARDED_MIN_TRAFFIC` and, on one host, P reaches
   `ranks.ONE_HOST_SHARDED_MIN_P`; central otherwise), K = P for
   ``sync``/``k_sync`` and K = P/2 for the K-variants of the other families, K = 1 for Async;
-* ``sync`` forced onto the central server, and ``k_batch_async`` onto each of the central and
-  sharded paths, for comparison.
+* ``sync`` forced onto the central server, ``sync`` on the collective path reducing only after
+  the server's decision (``collective-late``: ``overlap_allreduce=False``), and ``k_batch_async``
+  onto each of the central and sharded paths, for comparison.
 
 Measured in the steady state after ``--warmup`` updates: for ddp the mean time between optimizer
 steps on rank 0 (samples/s = P x batch / that); for the server the update records' clock
@@ -21,6 +22,7 @@ of samples/s over ddp's in the same repeat. Targets (issue: scale the engine to 
 ``k_batch_async`` >= 0.9 x ddp; at 0.02M no variant slower than before (``benchmarks/overhead_vs_ddp.py``).
 
     python benchmarks/scaling.py [--devices 2 4] [--sizes 0.02M 1M 4M 16M] [--repeats 2]
+        [--modes ddp sync k_sync sync:collective-late ...]  (variant[:path]; default: all)
 
 Writes the table, ``scaling.png`` (time per update against parameters, one line per path and
 ddp), and the usual json/csv into ``--out``.
@@ -71,8 +73,14 @@ class RecordTimes(Callback):
 
 def modes(p: int) -> list[tuple[str, int | None, str]]:
     runs = [(name, "auto") for name in ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")]
-    runs += [("sync", "central"), ("k_batch_async", "central"), ("k_batch_async", "sharded")]
+    runs += [("sync", "central"), ("sync", "collective-late"), ("k_batch_async", "central"),
+             ("k_batch_async", "sharded")]
     return [("ddp", None, "")] + [(name, k_of(name, p), path) for name, path in runs]
+
+
+def chosen(mode: str, path: str, wanted: list[str] | None) -> bool:
+    """Whether ``--modes`` (``variant`` for its "auto" path, or ``variant:path``) names this run."""
+    return wanted is None or (mode if path in ("", "auto") else f"{mode}:{path}") in wanted
 
 
 def parameters(hidden: tuple[int, ...]) -> int:
@@ -87,6 +95,8 @@ def run_launch(args) -> None:
         for size in args.sizes:
             steps = STEPS[size] if args.steps is None else args.steps
             for mode, k, path in modes(p):
+                if not chosen(mode, path, args.modes):
+                    continue
                 seed_everything(args.seed, verbose=False)
                 model = MLPClassifier(features=64, hidden=SIZES[size], classes=10, lr=0.01)
                 loader = classification_loader(32 * p * (steps + 20) * 2, batch_size=32, seed=args.seed)
@@ -94,7 +104,9 @@ def run_launch(args) -> None:
                 if mode == "ddp":
                     strategy = "ddp"
                 else:
-                    strategy = StaleStrategy(mode, k, seed=args.seed, record_trace=False, server=path)
+                    late = path == "collective-late"  # the all-reduce only after the decision
+                    strategy = StaleStrategy(mode, k, seed=args.seed, record_trace=False,
+                                             server="collective" if late else path, overlap_allreduce=not late)
                 trainer = Trainer(devices=p, strategy=strategy, max_steps=steps,
                                   callbacks=[timer if mode == "ddp" else records], **trainer_kwargs())
                 trainer.fit(model, train_dataloaders=loader)
@@ -104,6 +116,7 @@ def run_launch(args) -> None:
                     interval, sps, ran = timer.mean_interval_s, p * 32 / timer.mean_interval_s, "ddp"
                 else:
                     (interval, sps), ran = records.rate(args.warmup), trainer.strategy.stats["server_path"]
+                    ran += "-late" if path == "collective-late" else ""
                 rows.append({"devices": p, "size": size, "parameters": parameters(SIZES[size]),
                              "mode": mode, "k": k, "requested": path, "path": ran, "repeat": repeat,
                              "ms_per_update": 1e3 * interval, "samples_per_s": sps})
@@ -141,6 +154,7 @@ def plot(summary: list[dict], path: Path) -> None:
     counts = sorted({r["devices"] for r in summary})
     figure, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.5), squeeze=False)
     lines = [("ddp", "", "stock ddp"), ("sync", "collective", "sync, collective"),
+             ("sync", "collective-late", "sync, collective, all-reduce after the decision"),
              ("sync", "central", "sync, central"), ("k_batch_async", "sharded", "K-batch-async, sharded"),
              ("k_batch_async", "central", "K-batch-async, central")]
     for ax, p in zip(axes[0], counts):
@@ -164,6 +178,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="updates per fit (default: by size)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="runs to keep: ddp, a variant (its 'auto' path) or variant:path")
     launched = run_per_device_count(parser, __file__, "scaling", run_launch)
     if launched is None:
         return

@@ -175,6 +175,13 @@ class ServerCore:
         return Outcome(decision, decision.update, epoch_ended=epoch_ended, stopped=self.rules.stopped,
                        **(applied or {}))
 
+    def pushes_fit_in_epoch(self, pushes: int) -> bool:
+        """Whether the next ``pushes`` pushes will all be taken in this epoch, as far as is known
+        now: training goes on (no stop), this push did not end the epoch, and the epoch has room
+        for them (the last of them may end it)."""
+        per_epoch, done = self.limits.pushes_per_epoch, self._pushes_this_epoch
+        return not self.rules.stopped and per_epoch > 0 and 0 < done and done + pushes <= per_epoch
+
     def remove_learner(self, learner: int, clock: float) -> Outcome:
         """Learner ``learner`` died: K is clamped to the learners left, which may complete an
         update now (see `ServerRules.remove_learner`)."""

@@ -98,3 +98,20 @@ def trace_path(record_trace: Any, trainer: Any) -> Path:
         return Path(log_dir(trainer) or trainer.default_root_dir) / TRACE_FILE_NAME
     path = Path(os.fspath(record_trace))
     return path if path.suffix == ".csv" else path / TRACE_FILE_NAME
+
+
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def hooks_after_backward(module: Any, callbacks: list) -> list[str]:
+    """User code Lightning runs between backward and the optimizer step, which may change the
+    gradients there (``"Class.hook"`` for each ``GRADIENT_HOOKS`` overridden outside Lightning
+    and this package, whose own only read them), in the module and the callbacks."""
+    found = []
+    for obj in [module, *callbacks]:
+        for name in GRADIENT_HOOKS:
+            owner = next((c for c in type(obj).__mro__ if name in c.__dict__), None)
+            if owner is not None and not owner.__module__.startswith(
+                    ("lightning.", "pytorch_lightning.", "lightning_stale.")):
+                found.append(f"{owner.__qualname__}.{name}")
+    return found

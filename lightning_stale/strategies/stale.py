@@ -26,7 +26,8 @@ from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.checkpoints import ServerCheckpoint
 from lightning_stale.strategies.faults import FaultHandling, destroy_groups_at_exit, watched_launcher
-from lightning_stale.strategies.lightning_api import process_group_backend, replace_sigterm_broadcast, set_global_step
+from lightning_stale.strategies.lightning_api import (hooks_after_backward, process_group_backend,
+                                                      replace_sigterm_broadcast, set_global_step)
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.pace import OwnPaceCollectives
 from lightning_stale.strategies.sampling import IndependentBatchSampler, check_trainer_options, independent_sampler
@@ -93,6 +94,17 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             receives its parameters through a file in ``/dev/shm`` mapped by both processes,
             with only the headers over gloo (`engine.distributed.lanes`; learners on other
             hosts, or where ``/dev/shm`` lacks the space, use gloo). False: gloo for all.
+        overlap_allreduce: on the collective path, where every update takes one gradient from
+            every learner (``sync``; ``k_sync`` with K = P and no ``adaptive_k``), each learner
+            reduces its gradient in buckets while backward runs, as DDP does
+            (`engine.distributed.overlap`), on a process group of its own. It applies to
+            automatic optimization with one micro-batch per push and no gradient scaler
+            (``16-mixed``), and where neither the module nor a callback overrides
+            ``on_after_backward`` or ``on_before_optimizer_step`` (they may change the
+            gradients after backward, and are then taken into account: the all-reduce follows
+            the server's decision, as it does everywhere else).
+            ``trainer.strategy.overlapped_updates`` counts the updates reduced so on this rank.
+            False: always after the decision.
         Other arguments are `DDPStrategy`'s (accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout,
         start_method).
@@ -121,7 +133,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                  adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
-                 **ddp_kwargs: Any) -> None:
+                 overlap_allreduce: bool = True, **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
         if on_learner_failure not in LEARNER_FAILURE_MODES:
@@ -130,7 +142,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         if on_learner_failure == "continue" and variant == "sync":
             raise ValueError("on_learner_failure='continue' cannot apply to variant 'sync': every "
                              "update waits for every learner; use a K-variant with K < P")
-        for name, flag in (("hold_freed_memory", hold_freed_memory), ("shared_memory", shared_memory)):
+        for name, flag in (("hold_freed_memory", hold_freed_memory), ("shared_memory", shared_memory),
+                           ("overlap_allreduce", overlap_allreduce)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         for name, value in (("server_timeout", server_timeout), ("shutdown_timeout", shutdown_timeout)):
@@ -148,6 +161,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.delay_mode, self.on_learner_failure = delay_mode, on_learner_failure
         self.server_timeout, self.shutdown_timeout = float(server_timeout), float(shutdown_timeout)
         self.hold_freed_memory, self.shared_memory = hold_freed_memory, shared_memory
+        self.overlap_allreduce = overlap_allreduce
+        self.overlapped_updates = 0  # this rank's updates reduced during backward (last fit)
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
@@ -245,9 +260,19 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                                 clips=self._clip is not None, nodes=self.num_nodes)
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
+        # One backward per push, no scaler to undo and no user hook that may change gradients
+        # after backward: a round's gradient is then the one pushed.
+        overlap = (self.overlap_allreduce and trainer.accumulate_grad_batches == 1
+                   and self.lightning_module.automatic_optimization
+                   and getattr(self.precision_plugin, "scaler", None) is None)
+        hooks = hooks_after_backward(self.lightning_module, trainer.callbacks) if overlap else []
+        if hooks and self.path == "collective" and self.global_rank == 0:
+            log.info("overlap_allreduce: the all-reduce follows the server's decision, after %s, "
+                     "which may change the gradients", ", ".join(hooks))
+        overlap = overlap and not hooks
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
                               self.server_timeout, self.staleness_compensation, self._adaptive,
-                              self.shared_memory)
+                              self.shared_memory, overlap, self.shutdown_timeout)
         learner, self._server = build_rank(self.global_rank, self._server_group, self.lightning_module,
                                            self.optimizers[0], self._schedulers, variant, limits, options,
                                            self._resume, self._clip)
@@ -256,6 +281,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.shard_layout = getattr(learner.exchange, "layout", None)
         self.shard_params = learner.vectors.params
         self._checkpoint = ServerCheckpoint(self)
+        self.overlapped_updates = 0
+        if hasattr(learner.exchange, "release"):  # hooks on the module: gone at teardown, failed or not
+            self._undo.append(learner.exchange.release)
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
         self._undo.append(self.watch(learner))
@@ -354,6 +382,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         if self._server is not None:
             self._finish_server()
         stuck = learner.exchange.close(self.shutdown_timeout)
+        self.overlapped_updates = getattr(learner.exchange, "overlapped_updates", 0)
         if stuck:
             raise ServerFailed(f"threads still running after shutdown: {stuck}")
         if learner.interrupted:  # a signal stopped training: everyone left, the run did not finish

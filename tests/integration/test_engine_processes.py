@@ -182,6 +182,21 @@ def test_the_collective_and_sharded_paths_keep_every_count_and_learn(paths, run)
     assert result["same_everywhere"]  # every learner ends with the server's parameters
     if run.startswith(("sync", "k_sync", "k_batch_sync")):
         assert set(stats["staleness_histogram"]) == {"0"}
+    # Only where every update takes one gradient from each learner does the all-reduce run during
+    # backward: then on every learner alike, for every update but the first of the fit, the first
+    # of each epoch and one whose pushes an epoch's end may cut.
+    overlapped = result["overlapped"]
+    if run == "sync@collective":
+        assert len(set(overlapped)) == 1 and 60 - 1 - 2 * stats["epochs"] <= overlapped[0] < 60
+    else:
+        assert overlapped == [0, 0, 0, 0]
+
+
+def test_a_stop_inside_a_batch_leaves_no_overlapped_round_waiting(paths):
+    stopped = paths["sync@collective-stopped"]
+    stats = stopped["stats"]
+    assert stats["updates"] < 60 and books_balance(stats) and stopped["same_everywhere"]
+    assert len(set(stopped["overlapped"])) == 1 and stopped["overlapped"][0] > 0
 
 
 @pytest.mark.parametrize("run", ["k_batch_async@central", "k_sync@central", "k_async@central-gloo"])

@@ -18,6 +18,10 @@ What this path gives up: an update needs every learner in the all-reduce. A lear
 an injected delay is interrupted as on every path, but a learner still inside its forward or
 backward pass (a real straggler) holds the update until that pass ends, and its gradient is then
 discarded as cancelled. The central server (``server="central"``) never waits for it.
+
+Where every update takes one gradient from every learner (Fully sync, K-sync with K = P), the
+all-reduce starts during backward instead, in buckets, as DDP's does (`engine.distributed.overlap`):
+the server's answer then only confirms the update the learners have already reduced.
 """
 
 from __future__ import annotations
@@ -30,31 +34,42 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
+from lightning_stale.engine.distributed.overlap import OverlappedAllReduce
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, load_gradients
 from lightning_stale.method.rules import Update
 
 
-def update_payload(update: Update, p: int) -> Tensor:
-    """What every learner hears of an update: [K, gradients taken from learner 0, ..., P-1]."""
-    payload = torch.zeros(p + 1, dtype=torch.float64)
+def update_payload(update: Update, p: int, overlap_next: bool = False) -> Tensor:
+    """What every learner hears of an update: [K, gradients taken from learner 0, ..., P-1,
+    whether the next backward is an overlapped round (1) or not (0)]."""
+    payload = torch.zeros(p + 2, dtype=torch.float64)
     payload[0] = len(update.gradients)
     for push in update.gradients:
         payload[1 + push.learner] += 1
+    payload[-1] = float(overlap_next)
     return payload
 
 
 class CollectivePayloads:
     """The server's side of the collective path (hooks as `server.CentralPayloads`): pushes are
     headers, and a refresh (every learner, at every update of the sync family) carries
-    `update_payload`; nothing else carries parameters, since every learner holds them."""
+    `update_payload`; nothing else carries parameters, since every learner holds them.
+
+    ``overlap``: the learners overlap their all-reduce with backward where the next update is
+    sure to take one gradient from each of them (`engine.distributed.overlap`)."""
+
+    def __init__(self, overlap: bool = False) -> None:
+        self.overlap = overlap
 
     def contribution(self, message: Message) -> None:
         return None
 
     def fill(self, message: Message, core, decision) -> None:
         if message.kind == Kind.PARAMS and decision is not None and decision.update is not None:
-            message.payload = update_payload(decision.update, core.rules.p)
+            p = core.rules.p
+            overlap_next = self.overlap and core.rules.k == p and core.pushes_fit_in_epoch(p)
+            message.payload = update_payload(decision.update, p, overlap_next)
 
     def on_update(self, update, contributions, weights) -> None:
         pass
@@ -78,14 +93,20 @@ class CollectiveExchange:
         device: where gradients are summed (the module's device: NCCL needs CUDA tensors).
         clip: clips the averaged gradient before the step (the Trainer's gradient clipping), or None.
         group: the process group of the all-reduce (None: the default group).
+        overlap: reduces the gradient during backward where the server says so, or None.
     """
 
     def __init__(self, vectors: ModelVectors, optimizer: Optimizer, schedules: Schedules, rank: int,
                  device: torch.device, clip: Callable[[Optimizer], None] | None = None,
-                 group=None) -> None:
+                 group=None, overlap: OverlappedAllReduce | None = None) -> None:
         self.vectors, self.optimizer, self.schedules = vectors, optimizer, schedules
         self.rank, self.device, self.clip, self.group = rank, device, clip, group
-        self._pending: list[Tensor] = []  # this learner's pushed gradients, oldest first
+        self.overlap = overlap
+        self.overlapped_updates = 0  # updates whose all-reduce ran during backward
+        # This learner's pushed gradients, oldest first (None: the one in the overlapped round).
+        self._pending: list[Tensor | None] = []
+        self._in_round = False  # the push being made went round during its backward
+        self._own_integers: Tensor | None = None  # its integer buffers, when it did
         # Vectors are recycled: a fresh one of a large model is a page-faulting allocation. The
         # parameters' .grad are views of `_in_grads` until the next update, so it is never spare.
         self._spare: list[Tensor] = []
@@ -108,7 +129,12 @@ class CollectiveExchange:
         changes them, and the learner calls `after_push` right after sending the header, before
         it waits for an answer or, in K-batch-sync, goes on to its next mini-batch; a push
         carried over an epoch's end is sent at the next epoch's first batch, before its
-        backward.) Work cancelled before its push is never packed."""
+        backward.) Work cancelled before its push is never packed. An overlapped round is
+        completed here, whether or not the push will leave: its peers' all-reduces wait for it."""
+        self._in_round = self.overlap is not None and self.overlap.finish()
+        if self._in_round and self._integers:
+            self._own_integers = torch.cat([b.detach().reshape(-1).to(self.device, self.vectors.dtype)
+                                            for b in self.vectors.buffers if not b.is_floating_point()])
 
     def before_push(self, message: Message) -> None:
         pass
@@ -117,6 +143,9 @@ class CollectiveExchange:
         """The gradient, packed now and kept until an update takes it. (An unusable push, e.g. a
         16-mixed overflow, has none: the server drops it, no update takes it.)"""
         if message.flags & Flag.UNUSABLE:
+            return
+        if self._in_round:  # already on its way round the all-reduce
+            self._pending.append(None)
             return
         spare = self._spare.pop() if self._spare else None
         vector, _ = self.vectors.push_vector(mask=True, device=self.device, out=spare)
@@ -131,7 +160,16 @@ class CollectiveExchange:
             message.payload = state
 
     def close(self, timeout: float) -> list[str]:
+        """Every learner's overlapped rounds complete (see `OverlappedAllReduce.balance`)."""
+        if self.overlap is not None:
+            self.overlap.balance(timeout)
+            self.overlap.release()
         return []
+
+    def release(self) -> None:
+        """The module loses the hooks (the strategy's teardown, after a failure too)."""
+        if self.overlap is not None:
+            self.overlap.release()
 
     def take(self, message: Message) -> None:
         """An update: add this learner's share, all-reduce, step. (The first parameters and the
@@ -143,19 +181,21 @@ class CollectiveExchange:
         if message.kind != Kind.PARAMS or message.payload is None:
             return
         k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
-        taken, stale, self._pending = self._pending[:mine], self._pending[mine:], []
-        largest = self._largest_integers(taken)  # before the sum overwrites the first of them
-        if taken:  # summed in place into the first: no zero-filled vector of the model's size
-            reduced = taken[0].mul_(1.0 / k)
-            for vector in taken[1:]:
-                reduced.add_(vector, alpha=1.0 / k)
+        if self._pending and self._pending[0] is None:
+            self._check_round(message.payload)
+            largest = self._largest_integers([], self._own_integers)
+            reduced, recycled = self.overlap.result(), []
+            self.overlapped_updates += 1
         else:
-            reduced = (self._spare.pop().zero_() if self._spare
-                       else torch.zeros(self._size, dtype=self.vectors.dtype, device=self.device))
-        dist.all_reduce(reduced, group=self.group)
+            taken, stale = self._pending[:mine], self._pending[mine:]
+            largest = self._largest_integers(taken)  # before the sum overwrites the first of them
+            reduced, recycled = self._reduce(taken, k), taken[1:] + stale
+        self._pending = []
         n, s = self.vectors.numel, self.vectors.state_numel
         load_gradients(self.vectors.params, reduced[:n], reduced[s:] > 0)
-        self._spare += taken[1:] + stale + ([self._in_grads] if self._in_grads is not None else [])
+        if self._in_grads is not None and not (self.overlap and self.overlap.owns(self._in_grads)):
+            recycled.append(self._in_grads)
+        self._spare += recycled
         self._in_grads = reduced
         if self.clip is not None:
             self.clip(self.optimizer)
@@ -167,6 +207,28 @@ class CollectiveExchange:
         if self._settled is not None:
             self._settled.copy_(buffers)
         self.schedules.after_update(message.version)
+        if self.overlap is not None and len(message.payload) == self.overlap.learners + 2 \
+                and message.payload[-1] > 0:
+            self.overlap.arm()
+
+    def _reduce(self, taken: list[Tensor], k: float) -> Tensor:
+        """The taken gradients weighted 1/K, summed over the learners."""
+        if taken:  # summed in place into the first: no zero-filled vector of the model's size
+            reduced = taken[0].mul_(1.0 / k)
+            for vector in taken[1:]:
+                reduced.add_(vector, alpha=1.0 / k)
+        else:
+            reduced = (self._spare.pop().zero_() if self._spare
+                       else torch.zeros(self._size, dtype=self.vectors.dtype, device=self.device))
+        dist.all_reduce(reduced, group=self.group)
+        return reduced
+
+    def _check_round(self, payload: Tensor) -> None:
+        """An overlapped round is only ever taken whole: one gradient from every learner."""
+        p = self.overlap.learners
+        if len(self._pending) != 1 or payload[0] != p or not bool((payload[1:1 + p] == 1).all()):
+            raise RuntimeError(f"learner {self.rank}: the server's update {payload[:1 + p].tolist()} "
+                               "does not take the overlapped round of every learner")
 
     def _load_buffers(self, flat: Tensor) -> None:
         offset = 0
@@ -176,12 +238,14 @@ class CollectiveExchange:
                 b.copy_(part.round() if not b.is_floating_point() else part)
                 offset += b.numel()
 
-    def _largest_integers(self, taken: list[Tensor]) -> list[Tensor]:
-        """Integer buffers (e.g. BatchNorm's batch count) take the largest pushed value."""
+    def _largest_integers(self, taken: list[Tensor], own: Tensor | None = None) -> list[Tensor]:
+        """Integer buffers (e.g. BatchNorm's batch count) take the largest pushed value (``own``:
+        this learner's, where its gradient went round during backward)."""
         if not self._integers:
             return []
         sizes = [z - a for a, z in self._integers]
-        local = torch.full((sum(sizes),), float("-inf"), dtype=self.vectors.dtype, device=self.device)
+        local = (own.clone() if own is not None else
+                 torch.full((sum(sizes),), float("-inf"), dtype=self.vectors.dtype, device=self.device))
         for vector in taken:
             local = torch.maximum(local, torch.cat([vector[a:z] for a, z in self._integers]))
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)

@@ -6,7 +6,9 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
   and every answer parameters back. Fewest hops: the fastest for small models, and the only path
   on which no learner ever waits for another (any variant, a frozen or dead learner).
 * ``"collective"`` (sync family): the server decides from headers; the gradients of an update
-  meet in one all-reduce and every learner applies it (`engine.distributed.collective`).
+  meet in one all-reduce and every learner applies it (`engine.distributed.collective`); where
+  every update takes one gradient from every learner, the all-reduce runs during backward
+  (`engine.distributed.overlap`).
 * ``"sharded"``: the server decides from headers; every rank owns a slice of the parameters and
   of the optimizer state, and applies its part of every update (`engine.distributed.sharded`).
 * ``"auto"``: collective for the sync family on a model of at least ``SCALE_MIN_NUMEL`` values;
@@ -19,6 +21,7 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
 
 from __future__ import annotations
 
+import datetime
 import queue
 import time
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from lightning_stale.engine.distributed.collective import CollectiveExchange, Co
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.mesh import DataMesh
 from lightning_stale.engine.distributed.messages import INLINE_PAYLOAD_BYTES, Kind, Message
+from lightning_stale.engine.distributed.overlap import OverlappedAllReduce
 from lightning_stale.engine.distributed.server import CentralPayloads, ParameterServer
 from lightning_stale.engine.distributed.sharded import (ShardedExchange, ShardedPayloads, ShardLayout,
                                                         ShardOwner)
@@ -106,6 +110,13 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
     return scaled if ok else "central"
 
 
+def overlaps(variant: Variant, adaptive: AdaptiveK | None) -> bool:
+    """Whether every update takes one gradient from every learner, so that learners can reduce
+    their gradients during backward (`engine.distributed.overlap`): Fully sync, and K-sync with
+    K = P and no AdaSync changing K."""
+    return (variant.name in ("sync", "k_sync") and variant.k == variant.p > 1 and adaptive is None)
+
+
 @dataclass
 class RankOptions:
     """What every rank needs to know besides the model (the strategy's options)."""
@@ -118,6 +129,8 @@ class RankOptions:
     compensation: StalenessCompensation | None = None
     adaptive: AdaptiveK | None = None
     shared_memory: bool = True
+    overlap: bool = False  # the sync family's all-reduce during backward, where it can be
+    shutdown_timeout: float = 60.0
 
 
 def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedulers: list,
@@ -140,7 +153,13 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         if resume is not None:
             schedules.load_states(resume.get("schedulers", []))
         device = vectors.params[0].device if vectors.params else torch.device("cpu")
-        exchange = CollectiveExchange(vectors, optimizer, schedules, rank, device, clip)
+        overlap = None
+        if options.overlap and overlaps(variant, options.adaptive):
+            # Every rank creates both groups, in this order (they are collective).
+            overlap = OverlappedAllReduce(vectors, variant.p, dist.new_group(),
+                                          dist.new_group(backend="gloo", timeout=datetime.timedelta(
+                                              seconds=options.shutdown_timeout)), device)
+        exchange = CollectiveExchange(vectors, optimizer, schedules, rank, device, clip, overlap=overlap)
     lanes: dict = {}
     slot_bytes = slot_bytes_for(vectors.max_push_numel(), vectors.dtype)
     if options.path == "central" and group is not None and slot_bytes > INLINE_PAYLOAD_BYTES:
@@ -151,7 +170,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         if options.path in ("collective", "sharded"):
             core = ServerCore(variant, None, limits, options.adaptive, options.compensation,
                               clock=time.monotonic())
-            payloads = payloads or CollectivePayloads()
+            payloads = payloads or CollectivePayloads(overlap=getattr(exchange, "overlap", None) is not None)
         else:
             state = ServerState(module, optimizer, schedulers, clip=clip)
             core = ServerCore(variant, state, limits, options.adaptive, options.compensation,

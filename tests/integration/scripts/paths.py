@@ -2,7 +2,9 @@
 'auto' would pick at scale (forced here on a small model), the counts, the loss, every rank
 ending with the same parameters, and checkpoints that resume on another path. Then the central
 path with a model whose pushes and answers are too large for a header's frame: on one host they
-travel through shared memory (and over gloo with ``shared_memory=False``)."""
+travel through shared memory (and over gloo with ``shared_memory=False``). Under ``sync`` the
+collective path reduces during backward, on every learner alike, and a stop asked for inside a
+batch leaves no round waiting."""
 
 import sys
 from pathlib import Path
@@ -36,6 +38,21 @@ def same_everywhere(module) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+def on_every_rank(value: int) -> list[int]:
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([value]))
+    return [int(g) for g in gathered]
+
+
+class StopInsideABatch(pl.Callback):
+    """Learner 2's Trainer wants to stop after update 20 (as EarlyStopping inside an epoch): every
+    learner has armed its next backward, which the stop then cancels."""
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_rank == 2 and trainer.global_step >= 20:
+            trainer.should_stop = True
+
+
 def fit(strategy, module, max_steps, callbacks=(), ckpt_path=None, **kwargs):
     pl.seed_everything(0)
     capture = CaptureRecords()
@@ -52,8 +69,21 @@ for name, k, path in RUNS:
     module = model()
     trainer, capture = fit(StaleStrategy(name, k, delay=delay, server=path, record_trace=False), module, 60)
     same = same_everywhere(module)
+    overlapped = on_every_rank(trainer.strategy.overlapped_updates)
     if trainer.global_rank == 0:
-        results[f"{name}@{path}"] = {**summary(trainer, capture), "same_everywhere": same}
+        results[f"{name}@{path}"] = {**summary(trainer, capture), "same_everywhere": same,
+                                     "overlapped": overlapped}
+
+# A stop asked for inside a batch: the rounds launched for the cancelled work are completed and
+# waited for at the end; the fit ends, nothing waits.
+module = model()
+trainer, capture = fit(StaleStrategy("sync", server="collective", record_trace=False), module, 60,
+                       callbacks=[StopInsideABatch()])
+same = same_everywhere(module)
+overlapped = on_every_rank(trainer.strategy.overlapped_updates)
+if trainer.global_rank == 0:
+    results["sync@collective-stopped"] = {**summary(trainer, capture), "overlapped": overlapped,
+                                          "same_everywhere": same}
 
 # Central, with 0.2M parameters (0.8 MB pushes, over INLINE_PAYLOAD_BYTES): lanes, then gloo.
 WIDE = (512, 320)

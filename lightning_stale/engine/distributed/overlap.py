@@ -1,0 +1,196 @@
+"""The sync family's all-reduce started during backward, in buckets, as DDP does it.
+
+On the collective path (`engine.distributed.collective`) a learner reduces its gradient only
+once the server has named the gradients an update takes. Where the update is known in advance,
+that wait costs the whole all-reduce on top of the backward pass: in Fully sync and in K-sync
+with K = P (docs/method.md, "The six variants") every update takes exactly one gradient from
+every learner, the one each computed on the parameters of the update before. So there, as in
+DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
+Training", VLDB 2020; the README's "Scaling" section), each parameter's gradient is copied,
+weighted 1/P, into a bucket of a flat vector as soon as backward has produced it, and a bucket
+goes round the all-reduce as soon as it is full, while backward goes on with the layers below.
+The buffers and the presence mask (which parameters had a gradient) follow in a last part when
+backward ends. The result is the vector the collective path would have reduced after the
+decision, laid out the same way (`ModelVectors.push_vector` with the mask).
+
+Rounds must pair up: every learner's r-th overlapped backward meets the others' r-th in the
+same all-reduces, so a learner arms its next backward only when the server says, with an
+update, that the next update will take one gradient from every learner within this epoch (no
+epoch's end, no stop known): every learner then hears the same thing and arms once. A backward
+that never comes (a ``training_step`` returning None) leaves the learner armed for the next
+one, which is then the gradient it pushes. Only a stop can cut a round short on some learners
+(a learner that heard it before its backward never runs it): at the end every learner reads
+the largest round count over a small gloo group and runs the rounds it lacks with zeros, so no
+all-reduce is left waiting for a peer. Buckets are cut at tensor boundaries, in reverse order
+of the parameters (roughly the order backward produces them), and always launched in that
+order, whatever order the hooks fire in, so all learners issue the same all-reduces.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_stale.engine.state import ModelVectors
+
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's defaults: a small first bucket starts the reduce early
+BUCKET_BYTES = 25 << 20
+
+
+def bucket_ranges(sizes: list[int], element_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES,
+                  bytes_per_bucket: int = BUCKET_BYTES) -> list[tuple[int, int]]:
+    """Runs of parameter indices [lo, hi), from the last parameter back to the first, each
+    bucket closed once it holds ``first_bytes`` (the first) or ``bytes_per_bucket`` (the rest)."""
+    ranges, hi, held = [], len(sizes), 0
+    for i in reversed(range(len(sizes))):
+        held += sizes[i] * element_bytes
+        if held >= (first_bytes if not ranges else bytes_per_bucket):
+            ranges.append((i, hi))
+            hi, held = i, 0
+    if hi > 0:
+        ranges.append((0, hi))
+    return ranges
+
+
+class OverlappedAllReduce:
+    """A learner's gradient, averaged over ``learners`` in buckets while backward runs (see the
+    module docstring).
+
+    Args:
+        vectors: the module's trainable parameters and buffers (hooks go on the parameters).
+        learners: P; every gradient is weighted 1/P.
+        group: the process group of the buckets' all-reduces (a group of their own, so that a
+            round cut short at the stop never meets another collective).
+        control_group: a gloo group for the round counts at the end.
+        device: where the buckets live (the module's device: NCCL needs CUDA tensors).
+    """
+
+    def __init__(self, vectors: ModelVectors, learners: int, group, control_group,
+                 device: torch.device, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.vectors, self.learners, self.group, self.control_group = vectors, learners, group, control_group
+        sizes = [p.numel() for p in vectors.params]
+        self._offsets = [0]
+        for size in sizes:
+            self._offsets.append(self._offsets[-1] + size)
+        element = torch.empty(0, dtype=vectors.dtype).element_size()
+        self._ranges = bucket_ranges(sizes, element, first_bucket_bytes, bucket_bytes)
+        self._bucket_of = [0] * len(sizes)
+        for b, (lo, hi) in enumerate(self._ranges):
+            for i in range(lo, hi):
+                self._bucket_of[i] = b
+        size = vectors.state_numel + len(sizes)
+        # Two vectors, used in turn: after an update the parameters' .grad are views of the
+        # one just reduced, so the next round fills the other.
+        self._vectors = [torch.zeros(size, dtype=vectors.dtype, device=device) for _ in range(2)]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(vectors.params)]
+        self.armed = False
+        self.rounds = 0  # rounds launched (taken or not)
+        self._works: list = []
+        self._vector = self._vectors[0]
+        self._filled: list[bool] = []
+        self._left: list[int] = []
+        self._next = 0  # the next bucket to launch
+
+    def arm(self) -> None:
+        """The next backward is the next round."""
+        self._wait()  # (nothing is pending: the update before took the last round)
+        self.armed = True
+        self._vector = self._vectors[self.rounds % 2]
+        self._filled = [False] * len(self.vectors.params)
+        self._left = [hi - lo for lo, hi in self._ranges]
+        self._next = 0
+
+    def _hook(self, index: int):
+        def ready(param: Tensor) -> None:
+            if not self.armed:
+                return
+            bucket = self._bucket_of[index]
+            if bucket < self._next:
+                raise RuntimeError("a second backward pass reached a gradient whose bucket is already "
+                                   "being reduced; the overlapped all-reduce takes one backward per "
+                                   "step (pass overlap_allreduce=False to the strategy)")
+            grad = param.grad.to_dense() if param.grad.is_sparse else param.grad
+            a, z = self._offsets[index], self._offsets[index + 1]
+            torch.mul(grad.detach().reshape(-1).to(self._vector.device), 1.0 / self.learners, out=self._vector[a:z])
+            if not self._filled[index]:
+                self._filled[index] = True
+                self._left[bucket] -= 1
+            while self._next < len(self._ranges) and self._left[self._next] == 0:
+                self._launch(*self._span(self._next))
+                self._next += 1
+        return ready
+
+    def _span(self, bucket: int) -> tuple[int, int]:
+        lo, hi = self._ranges[bucket]
+        return self._offsets[lo], self._offsets[hi]
+
+    def _launch(self, a: int, z: int) -> None:
+        if z > a:
+            self._works.append(dist.all_reduce(self._vector[a:z], group=self.group, async_op=True))
+
+    def finish(self) -> bool:
+        """After backward: the rest of the round (gradients backward did not reach are zeros and
+        absent from the mask; the buffers as the forward pass left them). False where this
+        backward was not a round."""
+        if not self.armed:
+            return False
+        self.armed = False
+        vector, n, s = self._vector, self.vectors.numel, self.vectors.state_numel
+        for i, filled in enumerate(self._filled):
+            if not filled:
+                vector[self._offsets[i]:self._offsets[i + 1]].zero_()
+        for bucket in range(self._next, len(self._ranges)):
+            self._launch(*self._span(bucket))
+        if self.vectors.buffers:
+            torch.cat([b.detach().reshape(-1).to(vector.dtype) for b in self.vectors.buffers], out=vector[n:s])
+            vector[n:s].mul_(1.0 / self.learners)
+        vector[s:] = torch.tensor(self._filled, dtype=vector.dtype)
+        self._launch(n, vector.numel())
+        self.rounds += 1
+        return True
+
+    def result(self) -> Tensor:
+        """The last round's average (its all-reduces waited for); the parameters' .grad may be
+        views of it until the round after next."""
+        self._wait()
+        return self._vector
+
+    def owns(self, vector: Tensor) -> bool:
+        """Whether ``vector`` is one of the rounds' (never to be recycled for packing)."""
+        return any(vector is v for v in self._vectors)
+
+    def _wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+    def balance(self, timeout: float) -> None:
+        """At the end, on every learner: the rounds the others launched and this one did not
+        (it heard the stop before that backward) are run with zeros, then every all-reduce is
+        waited for."""
+        self.armed = False
+        for _ in range(self._most_rounds(timeout) - self.rounds):
+            self._vector = self._vectors[self.rounds % 2]
+            for a, z in [self._span(b) for b in range(len(self._ranges))] + [(self.vectors.numel, None)]:
+                self._launch(a, self._vector.numel() if z is None else z)
+            self.rounds += 1
+        self._wait()
+
+    def _most_rounds(self, timeout: float) -> int:
+        """The largest round count over the learners (the control group's all-reduce)."""
+        count = torch.tensor([self.rounds], dtype=torch.int64)
+        work = dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+        if not work.wait(datetime.timedelta(seconds=timeout)):
+            raise RuntimeError(f"learners did not agree on their overlapped rounds within {timeout} s")
+        return int(count)
+
+    def release(self) -> None:
+        """Remove the hooks from the module (they stay inert until then)."""
+        self.armed = False
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
