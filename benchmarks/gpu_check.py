@@ -8,6 +8,8 @@ on NCCL, and checks what only a GPU run can show:
   vectors and come back to the device; after fit the module holds the server's parameters;
 * collective (the sync family): the K gradients of an update meet in an all-reduce of CUDA
   tensors on the default (NCCL) group, and every learner steps its own optimizer on the GPU;
+  under ``sync`` the all-reduce runs in buckets during backward, on an NCCL group of its own,
+  launched from the autograd hooks (``overlapped``: updates reduced so, on rank 0);
 * sharded (the async family): every rank's owner holds its shard on the GPU; pieces and slices
   travel as CPU vectors;
 
@@ -90,6 +92,7 @@ def check(name: str, path: str, args) -> dict:
         "module_matches_server": all(torch.equal(a, b) for a, b in zip(model.parameters(), server_params)),
         "same_on_every_rank": same,
         "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
+        "overlapped": trainer.strategy.overlapped_updates,
     }
 
 
@@ -116,6 +119,7 @@ def main() -> None:
     failed = [f"{r['variant']}@{r['path']}" for r in rows
               if not (r["counts_balance"] and r["module_matches_server"] and r["same_on_every_rank"]
                       and r["loss_last_10"] < r["loss_first_10"]
+                      and (r["overlapped"] > 0) == (r["variant"] == "sync" and r["path"] == "collective")
                       and r["module_device"].startswith(expected_device)
                       and r["server_device"].startswith(expected_device)
                       and r["default_backend"] == expected_default
