@@ -36,6 +36,24 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def gloo_group_of_one():
+    """A gloo default group of one process, for the module's tests (its all-reduce is the
+    identity, so what goes round is checked exactly)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(params=["simulated", "stale"])
 def engine(request, monkeypatch):
     """Each engine in turn, in this process (see tests/engines.py); the real one as P = 1."""

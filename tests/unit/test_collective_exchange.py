@@ -1,11 +1,8 @@
 """The collective path's learner side, in one process (a gloo group of one: the all-reduce is
 the identity, so the arithmetic and the recycling of vectors are checked exactly)."""
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_stale.engine.distributed.collective import CollectiveExchange
@@ -13,17 +10,7 @@ from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors
 
-
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_group_of_one")
 
 
 def exchange(set_to_none=True):
@@ -54,7 +41,7 @@ def update(ex, k, mine, version):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_updates_average_the_taken_gradients_and_recycled_vectors_never_alias_grads(group, set_to_none):
+def test_updates_average_the_taken_gradients_and_recycled_vectors_never_alias_grads(set_to_none):
     module, optimizer, vectors, ex = exchange()
     for version in range(1, 6):
         # two pushes (a K-batch-sync learner), the update takes both: their mean is the step
@@ -75,7 +62,7 @@ def test_updates_average_the_taken_gradients_and_recycled_vectors_never_alias_gr
     assert len(ex._spare) <= 3
 
 
-def test_epoch_end_and_stop_see_the_buffers_of_the_last_update(group):
+def test_epoch_end_and_stop_see_the_buffers_of_the_last_update():
     # A forward pass begun after the update (work the epoch's end or the stop leaves unapplied)
     # moves BatchNorm's running statistics; validation and the final module must not see that.
     module, optimizer, vectors, ex = exchange()
@@ -96,7 +83,7 @@ def test_epoch_end_and_stop_see_the_buffers_of_the_last_update(group):
     assert torch.equal(vectors.state_vector(), settled)
 
 
-def test_an_unusable_push_is_never_taken_nor_recycled(group):
+def test_an_unusable_push_is_never_taken_nor_recycled():
     # A 16-mixed overflow: the push goes out as a header without a gradient (the server drops it
     # as "overflow"). A K-batch-sync learner then pushes a usable one, and the update takes that.
     module, optimizer, vectors, ex = exchange()

@@ -2,8 +2,6 @@
 the identity, so what a round holds is checked exactly against what the decision-time path
 would have reduced)."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,19 +14,9 @@ from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.rules import Push, Update
 
+pytestmark = pytest.mark.usefixtures("gloo_group_of_one")
+
 P = 2  # the weight is 1/P; the group of one only sums this learner's part
-
-
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class WithUnused(nn.Module):
@@ -90,7 +78,7 @@ def test_buckets_cut_at_tensor_boundaries_from_the_last_parameter_back():
     assert bucket_ranges([3], 4) == [(0, 1)]
 
 
-def test_a_round_holds_what_the_decision_time_path_would_reduce_and_starts_during_backward(group):
+def test_a_round_holds_what_the_decision_time_path_would_reduce_and_starts_during_backward():
     module, optimizer, vectors, overlap, ex = setup()
     overlap.arm()
     launched = []
@@ -110,7 +98,7 @@ def test_a_round_holds_what_the_decision_time_path_would_reduce_and_starts_durin
     assert overlap.rounds == 1
 
 
-def test_updates_from_overlapped_rounds_step_as_the_decision_time_path(group):
+def test_updates_from_overlapped_rounds_step_as_the_decision_time_path():
     for set_to_none in (True, False):
         module, optimizer, vectors, overlap, ex = setup()
         twin, twin_optimizer, twin_vectors, _, _ = setup()
@@ -132,7 +120,7 @@ def test_updates_from_overlapped_rounds_step_as_the_decision_time_path(group):
         assert overlap.rounds == 3
 
 
-def test_an_update_that_does_not_take_the_round_whole_is_an_error(group):
+def test_an_update_that_does_not_take_the_round_whole_is_an_error():
     module, optimizer, vectors, overlap, ex = setup()
     overlap.arm()
     backward(module, optimizer, 1)
@@ -142,7 +130,7 @@ def test_an_update_that_does_not_take_the_round_whole_is_an_error(group):
         ex.take(Message(Kind.PARAMS, version=1, payload=payload))
 
 
-def test_a_second_backward_into_a_bucket_already_reduced_is_refused(group):
+def test_a_second_backward_into_a_bucket_already_reduced_is_refused():
     module, optimizer, vectors, overlap, ex = setup()
     overlap.arm()
     torch.manual_seed(0)
@@ -152,7 +140,7 @@ def test_a_second_backward_into_a_bucket_already_reduced_is_refused(group):
         loss.backward()
 
 
-def test_the_end_balances_rounds_and_released_hooks_leave_the_module_alone(group):
+def test_the_end_balances_rounds_and_released_hooks_leave_the_module_alone():
     module, optimizer, vectors, overlap, ex = setup()
     overlap.arm()
     backward(module, optimizer, 1)
@@ -166,7 +154,7 @@ def test_the_end_balances_rounds_and_released_hooks_leave_the_module_alone(group
     assert all(torch.equal(a, b) for a, b in zip(before, overlap._vectors))
 
 
-def test_rounds_another_learner_launched_are_run_with_zeros_at_the_end(group, monkeypatch):
+def test_rounds_another_learner_launched_are_run_with_zeros_at_the_end(monkeypatch):
     # Another learner launched two rounds more (this one heard the stop before those backwards):
     # this one issues the same all-reduces, bucket by bucket, so that none waits for a peer.
     module, optimizer, vectors, overlap, ex = setup()
