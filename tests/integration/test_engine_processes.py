@@ -180,6 +180,7 @@ def test_the_collective_and_sharded_paths_keep_every_count_and_learn(paths, run)
     assert result["updates"] == list(range(1, 61))
     assert sum(result["losses"][-10:]) < sum(result["losses"][:10])
     assert result["same_everywhere"]  # every learner ends with the server's parameters
+    assert result["final_update_applied"] == [1, 1, 1, 1]  # the 60th, which came with the stop
     if run.startswith(("sync", "k_sync", "k_batch_sync")):
         assert set(stats["staleness_histogram"]) == {"0"}
     # Only where every update takes one gradient from each learner does the all-reduce run during

@@ -83,6 +83,14 @@ def test_epoch_end_and_stop_see_the_buffers_of_the_last_update():
     assert torch.equal(vectors.state_vector(), settled)
 
 
+def test_a_stop_that_carries_the_last_update_applies_it():
+    module, optimizer, vectors, ex = exchange()
+    before = vectors.state_vector()[:vectors.numel]
+    grad = backward_and_push(module, optimizer, ex, 3, True)
+    ex.take(Message(Kind.STOP, version=1, payload=torch.tensor([1.0, 1.0], dtype=torch.float64)))
+    assert torch.allclose(vectors.state_vector()[:vectors.numel], before - 0.1 * grad, atol=1e-6)
+
+
 def test_an_unusable_push_is_never_taken_nor_recycled():
     # A 16-mixed overflow: the push goes out as a header without a gradient (the server drops it
     # as "overflow"). A K-batch-sync learner then pushes a usable one, and the update takes that.

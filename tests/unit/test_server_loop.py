@@ -124,6 +124,24 @@ def test_an_epoch_end_pauses_everyone_without_dropping_anything():
     assert server.core.updates == 1 and server.core.rules.counts.received == 3
 
 
+def test_on_the_collective_path_the_update_that_stops_training_goes_with_the_stop():
+    # Learners hold the parameters there: a stop without the last update's payload would leave
+    # every learner one update behind the books.
+    from lightning_stale.engine.distributed.collective import CollectivePayloads
+
+    core = ServerCore(Variant.create("sync", 2), None, ServerLimits(max_updates=2, pushes_per_epoch=8))
+    server = ParameterServer(core, CollectivePayloads(overlap=True), "stop")
+    server.endpoint = endpoint = RecordingEndpoint()
+    for version in (0, 1):
+        for learner in (0, 1):
+            server._handle(Message(Kind.PUSH, learner, version, samples=8, loss=1.0))
+    sent = endpoint.take()
+    first, last = sent[:2], sent[2:]
+    # [K, taken from learner 0, from learner 1, the next backward overlapped]
+    assert [(m.kind, m.payload.tolist()) for _, m in first] == [(Kind.PARAMS, [2, 1, 1, 1])] * 2
+    assert [(m.kind, m.payload.tolist()) for _, m in last] == [(Kind.STOP, [2, 1, 1, 0])] * 2
+
+
 def test_max_updates_stops_everyone_and_late_pushes_count_as_in_flight():
     server, endpoint = make_server("async", max_updates=2)
     push(server, 0, 0)

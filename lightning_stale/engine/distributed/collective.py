@@ -66,7 +66,8 @@ class CollectivePayloads:
         return None
 
     def fill(self, message: Message, core, decision) -> None:
-        if message.kind == Kind.PARAMS and decision is not None and decision.update is not None:
+        # (a stop carries the update that stopped training, if one did: max_steps, max_epochs)
+        if message.kind in (Kind.PARAMS, Kind.STOP) and decision is not None and decision.update is not None:
             p = core.rules.p
             overlap_next = self.overlap and core.rules.k == p and core.pushes_fit_in_epoch(p)
             message.payload = update_payload(decision.update, p, overlap_next)
@@ -172,13 +173,16 @@ class CollectiveExchange:
             self.overlap.release()
 
     def take(self, message: Message) -> None:
-        """An update: add this learner's share, all-reduce, step. (The first parameters and the
-        stop carry no update: every learner holds the parameters already; at the stop its
-        buffers go back to the last update's, as the central server's final state would set
-        them, whatever the forward passes of work left unapplied did to them.)"""
-        if message.kind == Kind.STOP and self._settled is not None:
-            self._load_buffers(self._settled)
-        if message.kind != Kind.PARAMS or message.payload is None:
+        """An update: add this learner's share, all-reduce, step. (The first parameters carry
+        no update: every learner holds them already. The stop carries the update that stopped
+        training, if one did; else the buffers go back to the last update's, as the central
+        server's final state would set them, whatever the forward passes of work left
+        unapplied did to them.)"""
+        if message.payload is None:
+            if message.kind == Kind.STOP and self._settled is not None:
+                self._load_buffers(self._settled)
+            return
+        if message.kind not in (Kind.PARAMS, Kind.STOP):
             return
         k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
         if self._pending and self._pending[0] is None:

@@ -234,8 +234,8 @@ class ParameterServer:
     def _answer(self, outcome: Outcome) -> None:
         if outcome.update is not None:
             self.payloads.on_update(outcome.update, outcome.contributions, outcome.weights)
-        if outcome.stopped:
-            self._broadcast_stop()
+        if outcome.stopped:  # (the update that stopped training, if one did, goes with the stop)
+            self._broadcast_stop(outcome.decision)
             return
         self._send_decision(outcome.decision)
         if outcome.epoch_ended:
@@ -298,10 +298,11 @@ class ParameterServer:
         for learner in self.core.rules.alive:
             self._send(learner, kind)
 
-    def _broadcast_stop(self) -> None:
-        """The final parameters for everyone; whatever the payloads must do at the stop goes
-        out before the stops themselves, which close the connections."""
-        stops = [self._message(learner, Kind.STOP) for learner in self.core.rules.alive]
+    def _broadcast_stop(self, decision: Decision | None = None) -> None:
+        """The final parameters for everyone (``decision``: the one whose update stopped
+        training, for payloads that carry updates rather than parameters); whatever the payloads
+        must do at the stop goes out before the stops themselves, which close the connections."""
+        stops = [self._message(learner, Kind.STOP, decision) for learner in self.core.rules.alive]
         self.payloads.on_stop()
         for message in stops:
             self.endpoint.send(message.learner, message)

@@ -53,6 +53,20 @@ class StopInsideABatch(pl.Callback):
             trainer.should_stop = True
 
 
+class BeforeTheLastUpdate(pl.Callback):
+    """This learner's parameters at its last batch end before the final update."""
+
+    def __init__(self, last: int):
+        self.last, self.parameters = last, None
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step < self.last:
+            self.parameters = [p.detach().clone() for p in pl_module.parameters()]
+
+    def moved_since(self, module) -> bool:
+        return any(not torch.equal(a, p) for a, p in zip(self.parameters, module.parameters()))
+
+
 def fit(strategy, module, max_steps, callbacks=(), ckpt_path=None, **kwargs):
     pl.seed_everything(0)
     capture = CaptureRecords()
@@ -66,13 +80,16 @@ results = {}
 trainer = None
 for name, k, path in RUNS:
     delay = ShiftedExponential(shift=0.002, mean=0.01, seed=1)
-    module = model()
-    trainer, capture = fit(StaleStrategy(name, k, delay=delay, server=path, record_trace=False), module, 60)
+    module, before_last = model(), BeforeTheLastUpdate(60)
+    trainer, capture = fit(StaleStrategy(name, k, delay=delay, server=path, record_trace=False), module, 60,
+                           callbacks=[before_last])
     same = same_everywhere(module)
     overlapped = on_every_rank(trainer.strategy.overlapped_updates)
+    # every learner applied the update that stopped training (it came with the stop)
+    final_applied = on_every_rank(int(before_last.moved_since(module)))
     if trainer.global_rank == 0:
         results[f"{name}@{path}"] = {**summary(trainer, capture), "same_everywhere": same,
-                                     "overlapped": overlapped}
+                                     "overlapped": overlapped, "final_update_applied": final_applied}
 
 # A stop asked for inside a batch: the rounds launched for the cancelled work are completed and
 # waited for at the end; the fit ends, nothing waits.
