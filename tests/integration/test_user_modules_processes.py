@@ -111,6 +111,8 @@ def test_batchnorm_state_on_the_scaled_paths(runs, path):
     assert run["after_fit"] == pytest.approx(run["logged"][-1], rel=1e-6)
     stats = run["stats"]
     assert stats["epochs"] == 2 and books_balance(stats) and min(stats["pushes_per_learner"]) > 0
+    if path == "collective":  # sync: the all-reduce ran during backward, BatchNorm's count the largest
+        assert run["overlapped"][0] == run["overlapped"][1] > 0
 
 
 def test_warmup_on_the_collective_path_steps_on_every_learner(runs):
@@ -124,6 +126,8 @@ def test_warmup_on_the_collective_path_steps_on_every_learner(runs):
         for version, lr in seen:
             assert lr == pytest.approx(run["lr"] * min(1.0, (version + 1) / warmup_steps))
     assert run["same_after_fit"] and books_balance(stats)
+    # K = P: every update but the first of each epoch reduced during backward, on both learners
+    assert run["overlapped"] == [10, 10]
 
 
 def test_frozen_backbone_on_the_sharded_path(runs):
@@ -164,3 +168,5 @@ def test_a_lightning_pytorch_trainer_runs_the_real_engine_on_every_path(runs, la
     assert run["stats"]["updates"] == 12 == run["total_steps"] and books_balance(run["stats"])
     assert run["lr"] == 0.01  # the warm-up (6 of the 12 updates) is over: stepped once per update
     assert run["val_loss"] == run["val_loss"]  # validated (a number, not NaN)
+    if path == "collective":  # K = P = 2: the all-reduce during backward, as under a pl.Trainer
+        assert run["overlapped"][0] == run["overlapped"][1] > 0

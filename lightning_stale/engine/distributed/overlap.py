@@ -6,9 +6,10 @@ that wait costs the whole all-reduce on top of the backward pass: in Fully sync 
 with K = P (docs/method.md, "The six variants") every update takes exactly one gradient from
 every learner, the one each computed on the parameters of the update before. So there, as in
 DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", VLDB 2020; the README's "Scaling" section), each parameter's gradient is copied,
-weighted 1/P, into a bucket of a flat vector as soon as backward has produced it, and a bucket
-goes round the all-reduce as soon as it is full, while backward goes on with the layers below.
+Training", VLDB 2020; the README, "How the parameter server runs", the collective path, and
+its measurements under "Scaling"), each parameter's gradient is copied, weighted 1/P, into a
+bucket of a flat vector as soon as backward has produced it, and a bucket goes round the
+all-reduce as soon as it is full, while backward goes on with the layers below.
 The buffers and the presence mask (which parameters had a gradient) follow in a last part when
 backward ends. The result is the vector the collective path would have reduced after the
 decision, laid out the same way (`ModelVectors.push_vector` with the mask).
@@ -23,7 +24,9 @@ one, which is then the gradient it pushes. Only a stop can cut a round short on 
 the largest round count over a small gloo group and runs the rounds it lacks with zeros, so no
 all-reduce is left waiting for a peer. Buckets are cut at tensor boundaries, in reverse order
 of the parameters (roughly the order backward produces them), and always launched in that
-order, whatever order the hooks fire in, so all learners issue the same all-reduces.
+order, whatever order the hooks fire in, so all learners issue the same all-reduces (a
+parameter without a gradient in this backward holds its bucket, and the later ones, until
+backward ends: nothing is lost but the overlap).
 """
 
 from __future__ import annotations

@@ -249,6 +249,7 @@ for name, path in (("sync", "collective"), ("async", "sharded")):
     data, model, books, seen = um.BlobData(image=True), um.BatchNormCNN(), Books(), ValidationLosses()
     trainer = fit(model, data, StaleStrategy(name, server=path, record_trace=False), [books, seen],
                   max_epochs=2)
+    overlapped = gather_list(trainer, trainer.strategy.overlapped_updates)
     ckpt = OUT.with_suffix(f".bn-{path}.ckpt")
     trainer.save_checkpoint(ckpt)
     after_fit = trainer.validate(model, data, verbose=False)[0]["val/loss"]
@@ -262,6 +263,7 @@ for name, path in (("sync", "collective"), ("async", "sharded")):
             "after_fit": after_fit,
             "checkpoint_eval": evaluate(um.BatchNormCNN.load_from_checkpoint(ckpt), data.val_dataloader()),
             "stats": trainer.strategy.stats,
+            "overlapped": overlapped,
         }
 
 # AdamW with a warm-up sized from estimated_stepping_batches, each learner stepping it (collective).
@@ -270,8 +272,10 @@ model, rates = um.WarmupAdamW(), Rates()
 trainer = fit(model, um.BlobData(), StaleStrategy("k_sync", 2, server="collective", record_trace=False),
               [rates], max_epochs=2)
 same, seen_everywhere = same_everywhere(trainer, model), gather_list(trainer, rates.seen)
+overlapped = gather_list(trainer, trainer.strategy.overlapped_updates)
 if trainer.global_rank == 0:
     results["warmup@collective"] = {"total_steps": model.total_steps, "stats": trainer.strategy.stats,
+                                    "overlapped": overlapped,
                                     "rates": seen_everywhere, "same_after_fit": same,
                                     "lr": model.hparams.lr, "warmup": model.hparams.warmup}
 
@@ -328,6 +332,7 @@ if importlib.util.find_spec("lightning") is not None:
         pl.seed_everything(0)
         model = lm.LitClassifier()
         trainer = fit(model, lm.LitBlobs(), strategy, trainer_cls=L.Trainer, max_steps=12)
+        overlapped = gather_list(trainer, trainer.strategy.overlapped_updates)
         if trainer.global_rank == 0:
             results[label] = {
                 "trainer": type(trainer).__module__,
@@ -335,5 +340,6 @@ if importlib.util.find_spec("lightning") is not None:
                 "total_steps": model.total_steps,
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "val_loss": float(trainer.callback_metrics["val/loss"]),
+                "overlapped": overlapped,
             }
 write_results(trainer, results)
