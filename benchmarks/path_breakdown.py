@@ -28,7 +28,10 @@ of new parameters to a learner).
     python benchmarks/path_breakdown.py [--devices 2] [--size 4M] [--steps 60]
         [--runs sync:central sync:collective k_async:central k_async:sharded k_async:central-gloo]
 
-(``central-gloo``: the central path with ``shared_memory=False``, every payload over gloo.)
+(``central-gloo``: the central path with ``shared_memory=False``, every payload over gloo;
+``collective-late``: the collective path with ``overlap_allreduce=False``, the all-reduce after
+the decision. Where it runs during backward, its buckets are launched inside ``compute`` and
+waited for in ``apply``.)
 
 The internals wrapped are named in ``WRAPPED``; the script stops with a clear error if they change.
 """
@@ -143,7 +146,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--runs", nargs="+", default=["sync:central", "sync:collective", "k_async:central",
                                                        "k_async:sharded"],
-                        help="variant:server, server central-gloo for the central path without shared memory")
+                        help="variant:server (central-gloo: no shared memory; collective-late: no overlap)")
     args = parser.parse_args()
     apply_process_settings(args)
     instrument()
@@ -152,13 +155,13 @@ def main() -> None:
     rows, summary = [], []
     for spec in ["ddp:ddp", *args.runs]:
         variant, path = spec.split(":")
-        server, _, transport = path.partition("-")  # "central-gloo": no shared-memory lanes
+        server, _, how = path.partition("-")  # "central-gloo": no lanes; "collective-late": no overlap
         seed_everything(args.seed, verbose=False)
         reset(args.warmup)
         timer, records = StepTimer(warmup=args.warmup), RecordTimes()
         strategy = "ddp" if variant == "ddp" else StaleStrategy(
             variant, k_of(variant, p), seed=args.seed,
-            record_trace=False, server=server, shared_memory=transport != "gloo")
+            record_trace=False, server=server, shared_memory=how != "gloo", overlap_allreduce=how != "late")
         trainer = Trainer(devices=p, strategy=strategy, max_steps=args.steps,
                           callbacks=[timer if variant == "ddp" else records], **trainer_kwargs())
         trainer.fit(MLPClassifier(features=64, hidden=hidden, classes=10, lr=0.01),

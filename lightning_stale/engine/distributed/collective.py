@@ -161,10 +161,9 @@ class CollectiveExchange:
             message.payload = state
 
     def close(self, timeout: float) -> list[str]:
-        """Every learner's overlapped rounds complete (see `OverlappedAllReduce.balance`)."""
+        """Every learner's overlapped rounds complete (`OverlappedAllReduce.close`)."""
         if self.overlap is not None:
-            self.overlap.balance(timeout)
-            self.overlap.release()
+            self.overlap.close(timeout)
         return []
 
     def release(self) -> None:

@@ -191,6 +191,17 @@ class OverlappedAllReduce:
             raise RuntimeError(f"learners did not agree on their overlapped rounds within {timeout} s")
         return int(count)
 
+    def close(self, timeout: float) -> None:
+        """The clean end: rounds balanced (`balance`), the hooks removed, the two groups
+        destroyed (after a failure they are left to the process's exit, as the server's group:
+        destroying a group under a blocked collective aborts the process)."""
+        self.balance(timeout)
+        self.release()
+        for group in (self.group, self.control_group):
+            if group is not None and group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+        self.group = self.control_group = None
+
     def release(self) -> None:
         """Remove the hooks from the module (they stay inert until then)."""
         self.armed = False
