@@ -17,12 +17,12 @@ decision, laid out the same way (`ModelVectors.push_vector` with the mask).
 Rounds must pair up: every learner's r-th overlapped backward meets the others' r-th in the
 same all-reduces, so a learner arms its next backward only when the server says, with an
 update, that the next update will take one gradient from every learner within this epoch (no
-epoch's end, no stop known): every learner then hears the same thing and arms once. A backward
-that never comes (a ``training_step`` returning None) leaves the learner armed for the next
-one, which is then the gradient it pushes. Only a stop can cut a round short on some learners
-(a learner that heard it before its backward never runs it): at the end every learner reads
-the largest round count over a small gloo group and runs the rounds it lacks with zeros, so no
-all-reduce is left waiting for a peer. Buckets are cut at tensor boundaries, in reverse order
+epoch's end, no stop known): every learner then hears the same thing and arms once, and the
+next backward it runs is the round (Lightning refuses a ``training_step`` that skips its
+backward by returning None in distributed training). Only a stop can cut a round short on
+some learners (a learner that heard it before its backward never runs it): at the end every
+learner reads the largest round count over a small gloo group and runs the rounds it lacks
+with zeros, so no all-reduce is left waiting for a peer. Buckets are cut at tensor boundaries, in reverse order
 of the parameters (roughly the order backward produces them), and always launched in that
 order, whatever order the hooks fire in, so all learners issue the same all-reduces (a
 parameter without a gradient in this backward holds its bucket, and the later ones, until
