@@ -172,13 +172,12 @@ def test_rounds_another_learner_launched_are_run_with_zeros_at_the_end(monkeypat
 
 
 def test_hooks_that_may_change_gradients_after_backward_are_found_in_modules_and_callbacks():
-    import lightning as L
     import pytorch_lightning as pl
 
     from lightning_stale.strategies.lightning_api import hooks_after_backward
     from lightning_stale.strategies.timing import MiniBatchTimer
 
-    class LogsNorms(L.LightningModule):  # a users' module, the `lightning` namespace
+    class LogsNorms(pl.LightningModule):  # (a Trainer of either namespace: users'-module launch)
         def on_before_optimizer_step(self, optimizer):
             pass
 
