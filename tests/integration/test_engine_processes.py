@@ -193,6 +193,15 @@ def test_the_collective_and_sharded_paths_keep_every_count_and_learn(paths, run)
         assert overlapped == [0, 0, 0, 0]
 
 
+def test_reducing_during_backward_ends_where_reducing_after_the_decision_ends(paths):
+    run = paths["sync@collective-compared"]
+    # 12 updates: all but the first reduced during backward (the 12th with the stop), on every learner
+    assert run["overlapped"] == [[11] * 4, [0] * 4]
+    during, after = run["losses"]
+    assert len(during) == 12 and during == pytest.approx(after, rel=1e-6)
+    assert run["largest_difference"] < 1e-6
+
+
 def test_a_stop_inside_a_batch_leaves_no_overlapped_round_waiting(paths):
     stopped = paths["sync@collective-stopped"]
     stats = stopped["stats"]
