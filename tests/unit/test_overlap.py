@@ -82,7 +82,8 @@ def test_a_round_holds_what_the_decision_time_path_would_reduce_and_starts_durin
     module, optimizer, vectors, overlap, ex = setup()
     overlap.arm()
     launched = []
-    hook = module.body[0].weight.register_post_accumulate_grad_hook(lambda p: launched.append(len(overlap._works)))
+    first_layer = module.body[0].weight
+    hook = first_layer.register_post_accumulate_grad_hook(lambda p: launched.append(len(overlap._works)))
     backward(module, optimizer, seed=1)
     hook.remove()
     # the first layer's gradient comes last in backward: buckets above it were already on their way

@@ -9,9 +9,9 @@ DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating Data
 Training", VLDB 2020; the README, "How the parameter server runs", the collective path, and
 its measurements under "Scaling"), each parameter's gradient is copied, weighted 1/P, into a
 bucket of a flat vector as soon as backward has produced it, and a bucket goes round the
-all-reduce as soon as it is full, while backward goes on with the layers below.
-The buffers and the presence mask (which parameters had a gradient) follow in a last part when
-backward ends. The result is the vector the collective path would have reduced after the
+all-reduce as soon as it is full, while backward goes on with the layers below. The buffers
+and the presence mask (which parameters had a gradient) follow in a last part when backward
+ends. The result is the vector the collective path would have reduced after the
 decision, laid out the same way (`ModelVectors.push_vector` with the mask).
 
 Rounds must pair up: every learner's r-th overlapped backward meets the others' r-th in the
@@ -22,11 +22,12 @@ next backward it runs is the round (Lightning refuses a ``training_step`` that s
 backward by returning None in distributed training). Only a stop can cut a round short on
 some learners (a learner that heard it before its backward never runs it): at the end every
 learner reads the largest round count over a small gloo group and runs the rounds it lacks
-with zeros, so no all-reduce is left waiting for a peer. Buckets are cut at tensor boundaries, in reverse order
-of the parameters (roughly the order backward produces them), and always launched in that
-order, whatever order the hooks fire in, so all learners issue the same all-reduces (a
-parameter without a gradient in this backward holds its bucket, and the later ones, until
-backward ends: nothing is lost but the overlap).
+with zeros, so no all-reduce is left waiting for a peer.
+
+Buckets are cut at tensor boundaries, in reverse order of the parameters (roughly the order
+backward produces them), and always launched in that order, whatever order the hooks fire in,
+so all learners issue the same all-reduces (a parameter without a gradient in this backward
+holds its bucket, and the later ones, until backward ends: nothing is lost but the overlap).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class OverlappedAllReduce:
         # Two vectors, used in turn: after an update the parameters' .grad are views of the
         # one just reduced, so the next round fills the other.
         self._vectors = [torch.zeros(size, dtype=vectors.dtype, device=device) for _ in range(2)]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(vectors.params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, p in enumerate(vectors.params)]
         self.armed = False
         self.rounds = 0  # rounds launched (taken or not)
         self._works: list = []
@@ -118,7 +120,8 @@ class OverlappedAllReduce:
                                    "step (pass overlap_allreduce=False to the strategy)")
             grad = param.grad.to_dense() if param.grad.is_sparse else param.grad
             a, z = self._offsets[index], self._offsets[index + 1]
-            torch.mul(grad.detach().reshape(-1).to(self._vector.device), 1.0 / self.learners, out=self._vector[a:z])
+            part = self._vector[a:z]
+            torch.mul(grad.detach().reshape(-1).to(part.device), 1.0 / self.learners, out=part)
             if not self._filled[index]:
                 self._filled[index] = True
                 self._left[bucket] -= 1
@@ -149,7 +152,8 @@ class OverlappedAllReduce:
         for bucket in range(self._next, len(self._ranges)):
             self._launch(*self._span(bucket))
         if self.vectors.buffers:
-            torch.cat([b.detach().reshape(-1).to(vector.dtype) for b in self.vectors.buffers], out=vector[n:s])
+            torch.cat([b.detach().reshape(-1).to(vector.dtype) for b in self.vectors.buffers],
+                      out=vector[n:s])
             vector[n:s].mul_(1.0 / self.learners)
         vector[s:] = torch.tensor(self._filled, dtype=vector.dtype)
         self._launch(n, vector.numel())
