@@ -17,7 +17,7 @@ from lightning_stale.delays.models import DelayModel
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
-from lightning_stale.engine.distributed.ranks import RankOptions, build_rank, check_path, choose_path
+from lightning_stale.engine.distributed.ranks import RankOptions, build_rank, check_path, choose_path, overlaps
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
@@ -260,13 +260,14 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                                 clips=self._clip is not None, nodes=self.num_nodes)
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
-        # One backward per push, no scaler to undo and no user hook that may change gradients
-        # after backward: a round's gradient is then the one pushed.
-        overlap = (self.overlap_allreduce and trainer.accumulate_grad_batches == 1
-                   and self.lightning_module.automatic_optimization
+        # The collective path under a variant whose every update takes one gradient from each
+        # learner, one backward per push, no scaler to undo and no user hook that may change
+        # gradients after backward: a round's gradient is then the one pushed.
+        overlap = (self.overlap_allreduce and self.path == "collective" and overlaps(variant, self._adaptive)
+                   and trainer.accumulate_grad_batches == 1 and self.lightning_module.automatic_optimization
                    and getattr(self.precision_plugin, "scaler", None) is None)
         hooks = hooks_after_backward(self.lightning_module, trainer.callbacks) if overlap else []
-        if hooks and self.path == "collective" and self.global_rank == 0:
+        if hooks and self.global_rank == 0:
             log.info("overlap_allreduce: the all-reduce follows the server's decision, after %s, "
                      "which may change the gradients", ", ".join(hooks))
         overlap = overlap and not hooks

@@ -210,8 +210,7 @@ class CollectiveExchange:
         if self._settled is not None:
             self._settled.copy_(buffers)
         self.schedules.after_update(message.version)
-        if self.overlap is not None and len(message.payload) == self.overlap.learners + 2 \
-                and message.payload[-1] > 0:
+        if self.overlap is not None and message.payload[-1] > 0:  # the next update takes a round
             self.overlap.arm()
 
     def _reduce(self, taken: list[Tensor], k: float) -> Tensor:

@@ -129,7 +129,7 @@ class RankOptions:
     compensation: StalenessCompensation | None = None
     adaptive: AdaptiveK | None = None
     shared_memory: bool = True
-    overlap: bool = False  # the sync family's all-reduce during backward, where it can be
+    overlap: bool = False  # collective path: the all-reduce during backward (the strategy decides)
     shutdown_timeout: float = 60.0
 
 
@@ -154,8 +154,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
             schedules.load_states(resume.get("schedulers", []))
         device = vectors.params[0].device if vectors.params else torch.device("cpu")
         overlap = None
-        if options.overlap and overlaps(variant, options.adaptive):
-            # Every rank creates both groups, in this order (they are collective).
+        if options.overlap:  # every rank creates both groups, in this order (they are collective)
             overlap = OverlappedAllReduce(vectors, variant.p, dist.new_group(),
                                           dist.new_group(backend="gloo", timeout=datetime.timedelta(
                                               seconds=options.shutdown_timeout)), device)
@@ -170,7 +169,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         if options.path in ("collective", "sharded"):
             core = ServerCore(variant, None, limits, options.adaptive, options.compensation,
                               clock=time.monotonic())
-            payloads = payloads or CollectivePayloads(overlap=getattr(exchange, "overlap", None) is not None)
+            payloads = payloads or CollectivePayloads(overlap=options.overlap)
         else:
             state = ServerState(module, optimizer, schedulers, clip=clip)
             core = ServerCore(variant, state, limits, options.adaptive, options.compensation,
