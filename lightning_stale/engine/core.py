@@ -259,8 +259,13 @@ class ServerCore:
                 lr=self.state.optimizer.param_groups[0]["lr"])
         elif self.compensation is not None:  # weights from staleness alone
             weights = self.compensation.weights(update)
+        # Summed in the learners' order, not in the order they arrived: a float sum depends on its
+        # order, and so a Fully sync fit is the same fit run after run, on every path.
+        order = sorted(range(len(pushed)), key=lambda i: update.gradients[i].learner)
+        contributions = tuple(pushed[i].contribution for i in order)
+        weights = None if weights is None else tuple(weights[i] for i in order)
         if self.state is not None:
-            self.state.apply([p.contribution for p in pushed], weights, update.index)
+            self.state.apply(list(contributions), weights, update.index)
             self._snapshot_current()
         self.samples += sum(p.samples for p in pushed)
         self._last_update_s = self.running_time(clock)
@@ -275,8 +280,7 @@ class ServerCore:
             k = self.adaptive.observe(self._last_update_s, record.loss)
             if k is not None and k != self.rules.k:
                 self.rules.set_k(k)  # between updates: nothing is pending now
-        return {"record": record, "contributions": tuple(p.contribution for p in pushed),
-                "weights": None if weights is None else tuple(weights)}
+        return {"record": record, "contributions": contributions, "weights": weights}
 
     def _snapshot_current(self) -> None:
         if self.keep_snapshots:

@@ -40,6 +40,23 @@ def test_an_update_averages_the_k_gradients_and_writes_its_record():
     assert core.stats()["mean_update_interval_s"] == 3.0 and balanced(core.stats())
 
 
+def test_an_update_sums_in_the_learners_order_whatever_order_they_arrived_in():
+    """A float sum depends on its order: summed as the pushes arrived, two runs of the same
+    Fully sync fit would differ in the last bits and drift apart."""
+    values = {0: (1e8, 1.0), 1: (1.0, 1e8), 2: (-1e8, -1e8)}
+    results, contributions = [], []
+    for arrivals in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        core = ServerCore(Variant.create("sync", 3), make_state())
+        for time, learner in enumerate(arrivals):
+            outcome = core.push(learner, 0, float(time), contribution=g(*values[learner]))
+        results.append(core.state.params[0].clone())
+        contributions.append([c.gradient.tolist() for c in outcome.contributions])
+    in_float32 = [float(sum(torch.tensor(values[i][0]) for i in order)) for order in ([0, 1, 2], [2, 0, 1])]
+    assert in_float32[0] != in_float32[1]  # (these values' sum depends on its order)
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert all(c == contributions[0] for c in contributions)  # what the other paths hear too
+
+
 def test_pauses_are_not_training_time():
     core = ServerCore(Variant.create("async", 2), make_state(), clock=10.0)
     core.push(0, 0, 12.0, contribution=g(1.0, 1.0))

@@ -218,13 +218,41 @@ def test_only_the_epoch_message_ends_an_epoch_not_the_refresh_sent_before_it():
     the next epoch, with no end in sight, once the epoch's own message arrived."""
     learner, endpoint, _ = make_learner(waits_for_answer=False)  # a K-batch-sync learner
     endpoint.inbox.put(Message(Kind.PARAMS, version=1, epoch=1, payload=torch.zeros(2)))
-    step(learner)  # the refresh cancels this mini-batch; the epoch goes on
-    assert not learner.epoch_over(0) and not learner.paused
     endpoint.inbox.put(epoch_end(epoch=1))
-    step(learner)
-    assert learner.paused and learner.epoch_over(0)
+    step(learner)  # the refresh cancels this mini-batch; the epoch's end follows it
+    assert learner.paused and learner.epoch_over(0) and learner.cancelled == 1
+    step(learner)  # the loader had fetched one more: started after the end, discarded
+    assert learner.cancelled == 2 and learner.carried is None
     learner.resume()
     assert not learner.paused and not learner.epoch_over(1)
+
+
+def test_the_answer_that_ends_an_epoch_pauses_the_learner_before_its_next_mini_batch():
+    """However late the epoch's own message comes after the answer that counted the new epoch,
+    the learner waits for it there: the next mini-batch always starts after the end and is
+    discarded, never carried (so a Fully sync fit is the same fit run after run)."""
+    learner, endpoint, _ = make_learner()
+    endpoint.answer = Message(Kind.PARAMS, version=1, epoch=1, payload=torch.ones(2))
+    late = threading.Timer(0.3, lambda: endpoint.inbox.put(epoch_end(epoch=1)))
+    late.start()
+    began = time.monotonic()
+    step(learner)
+    assert time.monotonic() - began >= 0.25 and learner.paused and learner.epoch_over(0)
+    step(learner, started_at=time.monotonic())  # the batch the loader had fetched
+    assert learner.carried is None and learner.cancelled == 1 and len(endpoint.pushed) == 1
+    endpoint.answer = Message(Kind.PARAMS, version=2, epoch=1, payload=torch.ones(2))
+    learner.resume()
+    step(learner)  # an answer in the same epoch: no wait, no pause
+    assert not learner.paused and learner.version == 2 and len(endpoint.pushed) == 2
+
+
+def test_a_stop_in_place_of_the_epochs_end_ends_the_wait_for_it():
+    learner, endpoint, module = make_learner()
+    endpoint.answer = Message(Kind.PARAMS, version=1, epoch=1, payload=torch.ones(2))
+    stop = Message(Kind.STOP, version=1, epoch=1, payload=torch.tensor([3.0, 4.0]))
+    threading.Timer(0.2, lambda: endpoint.inbox.put(stop)).start()
+    step(learner)  # waits for the epoch's end: the stop comes instead
+    assert learner.stopped and not learner.paused and module.weight.tolist() == [[3.0, 4.0]]
 
 
 def test_validation_runs_on_the_servers_parameters_then_training_on_the_learners():

@@ -10,7 +10,9 @@ An epoch's end is a pause of the whole process (docs/method.md, "Setting"; the r
 the README): the mini-batch in flight (computed, or in its delay, or waiting for its answer) is
 carried into the next epoch and finished first (`resume`); a mini-batch that Lightning starts
 after the epoch ended (its loader had already fetched it) is discarded and counted; the pause is
-excluded from every clock. Validation runs on the server's parameters (`enter_validation`).
+excluded from every clock. Validation runs on the server's parameters (`enter_validation`). A
+learner whose answer ends the epoch pauses at that answer (`_absorb`), so what it carries or
+discards there never depends on when the epoch's message arrives.
 
 Failures: an ABORT from the server, a broken connection, or a server silent for longer than
 ``server_timeout`` (heartbeats keep a busy server audible) raise `ServerFailed` (or
@@ -63,6 +65,12 @@ class _Events:
     answered: bool = False  # leave to go on with the parameters held
     paused: bool = False  # an epoch ended
     stopped: bool = False
+    epoch_ending: bool = False  # an answer counted one more epoch: its end follows
+
+    def merge(self, other: _Events) -> _Events:
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) or value)
+        return self
 
     @property
     def interrupts(self) -> bool:
@@ -133,6 +141,7 @@ class Learner:
         self._server_error, self.server_timeout = server_error, server_timeout
         self.version = -1
         self.server_epochs = 0  # epochs the server has ended
+        self._epoch_heard: int | None = None  # the epoch count of the server's latest answer
         self.stopped = False
         self.stop_requested = False  # this learner asked the server to stop (`request_stop`)
         self.cancelled = 0  # mini-batches computed and never pushed
@@ -205,6 +214,19 @@ class Learner:
                 return [m for m in messages if m.kind != Kind.HEARTBEAT]
 
     def _absorb(self, messages: list[Message]) -> _Events:
+        """What ``messages`` mean for the work in progress, taken in order. An answer that counts
+        one more epoch than the last is the update that ended it, and the server's EPOCH follows
+        it at once: it is waited for here, so the learner pauses at that update, before its
+        loader draws another mini-batch. (Were the pause to begin whenever the EPOCH happened to
+        arrive, whether the next mini-batch started before it, and was carried into the next
+        epoch, or after it, and was discarded, would depend on timing: two runs of a Fully sync
+        fit with the same seeds would differ after the first epoch's end.)"""
+        events = self._take(messages)
+        while events.epoch_ending and not (events.paused or events.stopped or self.paused):
+            events.merge(self._take(self._wait(None)))
+        return events
+
+    def _take(self, messages: list[Message]) -> _Events:
         events = _Events()
         for m in messages:
             if m.kind in (Kind.FAILED, Kind.ABORT):
@@ -220,6 +242,7 @@ class Learner:
                 # just before it carry the new count too, and an epoch ended on one of them would
                 # be followed by this message in the next epoch, pausing the learner for good.
                 self.server_epochs = max(self.server_epochs, m.epoch)
+                self._epoch_heard = max(m.epoch, self._epoch_heard or 0)
                 self._validation_state = m.payload
                 if self.paused_at is None:
                     self.paused_at = time.monotonic()
@@ -230,6 +253,9 @@ class Learner:
                 self._deferred.append(m)
                 continue
             self.clock.message(m)
+            if m.kind in (Kind.PARAMS, Kind.CONTINUE):
+                events.epoch_ending |= self._epoch_heard is not None and m.epoch > self._epoch_heard
+                self._epoch_heard = max(m.epoch, self._epoch_heard or 0)
             if m.kind in (Kind.PARAMS, Kind.STOP):
                 self.exchange.resolve(m, self._check_health)
             if m.kind in (Kind.PARAMS, Kind.STOP) and (m.version != self.version or m.kind == Kind.STOP):

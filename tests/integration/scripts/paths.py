@@ -67,6 +67,16 @@ class BeforeTheLastUpdate(pl.Callback):
         return any(not torch.equal(a, p) for a, p in zip(self.parameters, module.parameters()))
 
 
+class EpochEnds(pl.Callback):
+    """The update at which each epoch ended."""
+
+    def __init__(self):
+        self.updates = []
+
+    def on_train_epoch_end(self, trainer, *args):
+        self.updates.append(trainer.global_step)
+
+
 def fit(strategy, module, max_steps, callbacks=(), ckpt_path=None, **kwargs):
     pl.seed_everything(0)
     capture = CaptureRecords()
@@ -91,22 +101,24 @@ for name, k, path in RUNS:
         results[f"{name}@{path}"] = {**summary(trainer, capture), "same_everywhere": same,
                                      "overlapped": overlapped, "final_update_applied": final_applied}
 
-# The same 12 updates (inside the first epoch: past an epoch's end, which batches learners carry
-# or discard depends on timing) reduced during backward and after the decision: the same fit.
-compared = {}
-for overlap in (True, False):
+# The same 60 updates (three epochs' ends among them) reduced during backward, after the
+# decision, and during backward again: the same fit, and bit for bit the same fit when run again.
+compared = []
+for overlap in (True, False, True):
     torch.manual_seed(0)
-    module = model()
+    module, epoch_ends = model(), EpochEnds()
     trainer, capture = fit(StaleStrategy("sync", server="collective", overlap_allreduce=overlap,
-                                         record_trace=False), module, 12)
+                                         record_trace=False), module, 60, callbacks=[epoch_ends])
     overlapped = on_every_rank(trainer.strategy.overlapped_updates)
-    compared[overlap] = ([p.detach().clone() for p in module.parameters()], summary(trainer, capture)["losses"],
-                         overlapped)
-largest_difference = max(float((a - b).abs().max()) for a, b in zip(compared[True][0], compared[False][0]))
+    compared.append(([p.detach().clone() for p in module.parameters()], summary(trainer, capture), overlapped))
+largest_difference = max(float((a - b).abs().max()) for a, b in zip(compared[0][0], compared[1][0]))
+identical_again = all(torch.equal(a, b) for a, b in zip(compared[0][0], compared[2][0]))
 if trainer.global_rank == 0:
-    results["sync@collective-compared"] = {"losses": [compared[True][1], compared[False][1]],
-                                           "overlapped": [compared[True][2], compared[False][2]],
-                                           "largest_difference": largest_difference}
+    results["sync@collective-compared"] = {"losses": [c[1]["losses"] for c in compared],
+                                           "epoch_ends": epoch_ends.updates,
+                                           "overlapped": [c[2] for c in compared],
+                                           "largest_difference": largest_difference,
+                                           "identical_again": identical_again}
 # A stop asked for inside a batch: the rounds launched for the cancelled work are completed and
 # waited for at the end; the fit ends, nothing waits.
 module = model()
