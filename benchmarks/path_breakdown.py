@@ -27,8 +27,10 @@ of new parameters to a learner).
 
     python benchmarks/path_breakdown.py [--devices 2] [--size 4M] [--steps 60]
         [--runs sync:central sync:collective k_async:central k_async:sharded k_async:central-gloo]
+        [--model mlp | resnet | transformer]
 
-(``central-gloo``: the central path with ``shared_memory=False``, every payload over gloo;
+(``--model``: the deep MLP of ``--size``, batch 32, or one of the users' models of
+``architectures.py``, batch 16, where ``--size`` is not used. ``central-gloo``: the central path with ``shared_memory=False``, every payload over gloo;
 ``collective-late``: the collective path with ``overlap_allreduce=False``, the all-reduce after
 the decision. Where it runs during backward, its buckets are launched inside ``compute`` and
 waited for in ``apply``.)
@@ -44,11 +46,13 @@ from collections import defaultdict
 
 import torch.distributed as dist
 from pytorch_lightning import Trainer, seed_everything
+from torch.utils.data import DataLoader
 
 from _common import (MLPClassifier, StepTimer, apply_process_settings, base_parser, classification_loader,
                      is_rank_zero, prepare_out, require_internals, table, trainer_kwargs, write_results)
+from architectures import BATCH, build
 from overhead_vs_ddp import k_of
-from scaling import SIZES, RecordTimes, parameters
+from scaling import SIZES, RecordTimes
 
 MAIN_PARTS = ("compute", "pack", "send", "wait", "resolve", "apply", "all_reduce")
 THREAD_PARTS = ("decide", "owner apply", "owner wait", "owner send")
@@ -142,6 +146,7 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--size", default="4M", choices=list(SIZES))
+    parser.add_argument("--model", default="mlp", choices=["mlp", "resnet", "transformer"])
     parser.add_argument("--steps", type=int, default=60, help="updates per fit")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--runs", nargs="+", default=["sync:central", "sync:collective", "k_async:central",
@@ -150,7 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     apply_process_settings(args)
     instrument()
-    p, hidden = args.devices, SIZES[args.size]
+    p, batch = args.devices, 32 if args.model == "mlp" else BATCH
     out = prepare_out(args.out) if is_rank_zero() else None
     rows, summary = [], []
     for spec in ["ddp:ddp", *args.runs]:
@@ -164,15 +169,20 @@ def main() -> None:
             record_trace=False, server=server, shared_memory=how != "gloo", overlap_allreduce=how != "late")
         trainer = Trainer(devices=p, strategy=strategy, max_steps=args.steps,
                           callbacks=[timer if variant == "ddp" else records], **trainer_kwargs())
-        trainer.fit(MLPClassifier(features=64, hidden=hidden, classes=10, lr=0.01),
-                    train_dataloaders=classification_loader(32 * p * (args.steps + 20) * 2, seed=args.seed))
+        if args.model == "mlp":
+            module = MLPClassifier(features=64, hidden=SIZES[args.size], classes=10, lr=0.01)
+            loader = classification_loader(32 * p * (args.steps + 20) * 2, seed=args.seed)
+        else:
+            module, data = build(args.model)
+            loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
+        trainer.fit(module, train_dataloaders=loader)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, dict(STATE))
         if not is_rank_zero():
             continue
         if variant == "ddp":
             interval = timer.mean_interval_s
-            samples_per_s = 32 * p / interval
+            samples_per_s = batch * p / interval
         else:
             interval, samples_per_s = records.rate(args.warmup)
         # rank 0's learner pushes through a queue, the others over the host's links: its share
@@ -187,13 +197,15 @@ def main() -> None:
         print(f"{variant} on {path}: {1e3 * interval:.1f} ms per update", flush=True)
     if not is_rank_zero():
         return
-    print(f"\nP = {p}, MLP of {parameters(hidden) / 1e6:.1f}M parameters, batch 32, no injected delay, "
+    numel = sum(t.numel() for t in module.parameters())
+    what = f"MLP of {numel / 1e6:.1f}M parameters" if args.model == "mlp" else f"{args.model} of {numel / 1e6:.1f}M parameters"
+    print(f"\nP = {p}, {what}, batch {batch}, no injected delay, "
           f"{args.steps} updates per fit after {args.warmup} left out; ms per push on each rank")
     print(table(summary, ["variant", "server", "ms_per_update", "samples_per_s", "rank0_share"]))
     print()
     print(table(rows, ["variant", "server", "rank", "cycle", *MAIN_PARTS, "other", *THREAD_PARTS]))
     paths = write_results(out, "path_breakdown", rows, {"summary": summary, "devices": p, "size": args.size,
-                                                        "parameters": parameters(hidden), "steps": args.steps})
+                                                        "model": args.model, "parameters": numel, "steps": args.steps})
     print("results:", *map(str, paths))
 
 

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch.distributed as dist
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
              enable_model_summary=False, num_sanity_val_steps=0)
@@ -36,3 +37,10 @@ def write_results(trainer, results):
     if trainer.global_rank == 0:
         path = Path(sys.argv[1])
         path.write_text(json.dumps(results, default=str))
+
+
+def on_every_rank(value):
+    """``value`` as every rank has it, in rank order (a collective: every rank calls it)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered

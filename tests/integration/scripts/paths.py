@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from common import QUIET, CaptureRecords, summary, write_results
+from common import QUIET, CaptureRecords, on_every_rank, summary, write_results
 from lightning_stale import StaleStrategy
 from lightning_stale.data import DigitsDataModule
 from lightning_stale.delays import ShiftedExponential
@@ -36,12 +36,6 @@ def same_everywhere(module) -> bool:
     gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return all(torch.equal(g, gathered[0]) for g in gathered)
-
-
-def on_every_rank(value: int) -> list[int]:
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, torch.tensor([value]))
-    return [int(g) for g in gathered]
 
 
 class StopInsideABatch(pl.Callback):

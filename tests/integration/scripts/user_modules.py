@@ -17,7 +17,7 @@ import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 
 import user_modules as um  # noqa: E402
-from common import QUIET, write_results  # noqa: E402
+from common import QUIET, on_every_rank, write_results  # noqa: E402
 from lightning_stale import StaleStrategy  # noqa: E402
 from lightning_stale.engine.core import ServerCore  # noqa: E402
 from lightning_stale.engine.state import ModelVectors, ServerState  # noqa: E402
@@ -237,19 +237,13 @@ def same_everywhere(trainer, module):
     return bool((gathered == gathered[0]).all())
 
 
-def gather_list(trainer, items):
-    gathered = [None] * trainer.world_size
-    torch.distributed.all_gather_object(gathered, items)
-    return gathered
-
-
 # The scaled paths with users' modules. BatchNorm: buffers averaged over each update's gradients.
 for name, path in (("sync", "collective"), ("async", "sharded")):
     pl.seed_everything(0)
     data, model, books, seen = um.BlobData(image=True), um.BatchNormCNN(), Books(), ValidationLosses()
     trainer = fit(model, data, StaleStrategy(name, server=path, record_trace=False), [books, seen],
                   max_epochs=2)
-    overlapped = gather_list(trainer, trainer.strategy.overlapped_updates)
+    overlapped = on_every_rank(trainer.strategy.overlapped_updates)
     ckpt = OUT.with_suffix(f".bn-{path}.ckpt")
     trainer.save_checkpoint(ckpt)
     after_fit = trainer.validate(model, data, verbose=False)[0]["val/loss"]
@@ -271,8 +265,8 @@ pl.seed_everything(0)
 model, rates = um.WarmupAdamW(), Rates()
 trainer = fit(model, um.BlobData(), StaleStrategy("k_sync", 2, server="collective", record_trace=False),
               [rates], max_epochs=2)
-same, seen_everywhere = same_everywhere(trainer, model), gather_list(trainer, rates.seen)
-overlapped = gather_list(trainer, trainer.strategy.overlapped_updates)
+same, seen_everywhere = same_everywhere(trainer, model), on_every_rank(rates.seen)
+overlapped = on_every_rank(trainer.strategy.overlapped_updates)
 if trainer.global_rank == 0:
     results["warmup@collective"] = {"total_steps": model.total_steps, "stats": trainer.strategy.stats,
                                     "overlapped": overlapped,
@@ -332,7 +326,7 @@ if importlib.util.find_spec("lightning") is not None:
         pl.seed_everything(0)
         model = lm.LitClassifier()
         trainer = fit(model, lm.LitBlobs(), strategy, trainer_cls=L.Trainer, max_steps=12)
-        overlapped = gather_list(trainer, trainer.strategy.overlapped_updates)
+        overlapped = on_every_rank(trainer.strategy.overlapped_updates)
         if trainer.global_rank == 0:
             results[label] = {
                 "trainer": type(trainer).__module__,
