@@ -130,14 +130,18 @@ def test_warmup_on_the_collective_path_steps_on_every_learner(runs):
     assert run["overlapped"] == [10, 10]
 
 
-def test_frozen_backbone_on_the_sharded_path(runs):
-    run = runs["frozen@sharded"]
-    assert run["stats"]["server_path"] == "sharded"
+@pytest.mark.parametrize("path", ["sharded", "collective"])
+def test_frozen_backbone_on_the_scaled_paths(runs, path):
+    run = runs[f"frozen@{path}"]
+    assert run["stats"]["server_path"] == path
     assert run["backbone_unchanged"] and run["backbone_unchanged_in_checkpoint"]
     assert run["head_moved"] and run["same_after_fit"]
-    # AdamW state gathered from the shards: one entry per trainable tensor, none for the frozen
+    # AdamW state gathered from the shards, or rank 0's own: one entry per trainable tensor, none
+    # for the frozen ones
     assert run["adamw_states"] == run["trainable_tensors"] > 0
     assert books_balance(run["stats"]) and run["stats"]["updates"] > 0
+    if path == "collective":  # `sync`: reduced during backward, on every learner alike
+        assert len(set(run["overlapped"])) == 1 and run["overlapped"][0] > run["stats"]["updates"] / 2
 
 
 def test_a_module_too_large_for_a_frame_trains_through_shared_memory(runs):

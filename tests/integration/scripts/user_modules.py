@@ -273,28 +273,31 @@ if trainer.global_rank == 0:
                                     "rates": seen_everywhere, "same_after_fit": same,
                                     "lr": model.hparams.lr, "warmup": model.hparams.warmup}
 
-# A frozen backbone under AdamW's weight decay, its optimizer state cut into shards (sharded).
-pl.seed_everything(0)
-model = um.FrozenBackbone()
-frozen = {k: v.clone() for k, v in model.backbone.state_dict().items()}
-head = {k: v.clone() for k, v in model.net.state_dict().items()}
-trainer = fit(model, um.BlobData(), StaleStrategy("k_async", 1, server="sharded", record_trace=False),
-              max_epochs=2)
-ckpt = OUT.with_suffix(".frozen-sharded.ckpt")
-trainer.save_checkpoint(ckpt)
-same = same_everywhere(trainer, model)
-if trainer.global_rank == 0:
-    saved = torch.load(ckpt, weights_only=False)
-    results["frozen@sharded"] = {
-        "backbone_unchanged": all(torch.equal(v, model.backbone.state_dict()[k]) for k, v in frozen.items()),
-        "backbone_unchanged_in_checkpoint": all(torch.equal(v, saved["state_dict"][f"backbone.{k}"])
-                                                for k, v in frozen.items()),
-        "head_moved": any(not torch.equal(v, model.net.state_dict()[k]) for k, v in head.items()),
-        "adamw_states": len(saved["optimizer_states"][0]["state"]),
-        "trainable_tensors": sum(1 for p in model.parameters() if p.requires_grad),
-        "same_after_fit": same,
-        "stats": trainer.strategy.stats,
-    }
+# A frozen backbone under AdamW's weight decay: its optimizer state cut into shards (sharded),
+# and every learner stepping its own with the gradients reduced during backward (collective).
+for name, k, path in (("k_async", 1, "sharded"), ("sync", None, "collective")):
+    pl.seed_everything(0)
+    model = um.FrozenBackbone()
+    frozen = {k: v.clone() for k, v in model.backbone.state_dict().items()}
+    head = {k: v.clone() for k, v in model.net.state_dict().items()}
+    trainer = fit(model, um.BlobData(), StaleStrategy(name, k, server=path, record_trace=False), max_epochs=2)
+    overlapped = on_every_rank(trainer.strategy.overlapped_updates)
+    ckpt = OUT.with_suffix(f".frozen-{path}.ckpt")
+    trainer.save_checkpoint(ckpt)
+    same = same_everywhere(trainer, model)
+    if trainer.global_rank == 0:
+        saved = torch.load(ckpt, weights_only=False)
+        results[f"frozen@{path}"] = {
+            "backbone_unchanged": all(torch.equal(v, model.backbone.state_dict()[k]) for k, v in frozen.items()),
+            "backbone_unchanged_in_checkpoint": all(torch.equal(v, saved["state_dict"][f"backbone.{k}"])
+                                                    for k, v in frozen.items()),
+            "head_moved": any(not torch.equal(v, model.net.state_dict()[k]) for k, v in head.items()),
+            "adamw_states": len(saved["optimizer_states"][0]["state"]),
+            "trainable_tensors": sum(1 for p in model.parameters() if p.requires_grad),
+            "same_after_fit": same,
+            "overlapped": overlapped,
+            "stats": trainer.strategy.stats,
+        }
 
 # The central path with a module whose pushes and answers cross in shared memory (frozen backbone,
 # BatchNorm, AdamW with a warm-up), K-async on its default ('auto') path.
