@@ -6,7 +6,8 @@ default 2 then 4) and size, every mode runs interleaved ``--repeats`` times:
 
 * ``ddp``: Lightning's stock DDP (one all-reduce per step);
 * the six variants on the path ``server="auto"`` picks (`ranks.choose_path`: collective for the
-  sync family from `ranks.SCALE_MIN_NUMEL` values, sharded for the async family once parameters
+  sync family from `ranks.SCALE_MIN_NUMEL` values, or `ranks.ONE_HOST_COLLECTIVE_MIN_NUMEL` on
+  one CPU host with shared memory, sharded for the async family once parameters
   x (P - 1) reach `ranks.SHARDED_MIN_TRAFFIC` and, on one host, P reaches
   `ranks.ONE_HOST_SHARDED_MIN_P`; central otherwise), K = P for
   ``sync``/``k_sync`` and K = P/2 for the K-variants of the other families, K = 1 for Async;
@@ -137,7 +138,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                     == (p, size, "ddp", r["repeat"])]
             ratios.append(r["samples_per_s"] / base[0] if base else math.nan)
         summary.append({"devices": p, "size": size, "parameters": mine[0]["parameters"], "mode": mode,
-                        "k": mine[0]["k"], "path": mine[0]["path"],
+                        "k": mine[0]["k"], "requested": requested, "path": mine[0]["path"],
                         "ms_per_update": median([r["ms_per_update"] for r in mine]),
                         "samples_per_s": median([r["samples_per_s"] for r in mine]),
                         "vs_ddp": median(ratios), "per_repeat": " ".join(f"{x:.2f}" for x in ratios),
@@ -153,14 +154,15 @@ def plot(summary: list[dict], path: Path) -> None:
 
     counts = sorted({r["devices"] for r in summary})
     figure, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.5), squeeze=False)
-    lines = [("ddp", "", "stock ddp"), ("sync", "collective", "sync, collective"),
+    # (one line per run as asked for: the path "auto" picks changes with the size)
+    lines = [("ddp", "", "stock ddp"), ("sync", "auto", "sync, the path 'auto' picks"),
              ("sync", "collective-late", "sync, collective, all-reduce after the decision"),
              ("sync", "central", "sync, central"), ("k_batch_async", "sharded", "K-batch-async, sharded"),
              ("k_batch_async", "central", "K-batch-async, central")]
     for ax, p in zip(axes[0], counts):
-        for mode, ran, label in lines:
+        for mode, requested, label in lines:
             points = sorted((r["parameters"], r["ms_per_update"]) for r in summary
-                            if r["devices"] == p and r["mode"] == mode and (r["path"] == ran or mode == "ddp"))
+                            if r["devices"] == p and r["mode"] == mode and r["requested"] == requested)
             if points:
                 ax.plot(*zip(*points), marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="time per update (ms)",

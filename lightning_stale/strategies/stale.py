@@ -73,9 +73,10 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             update meet in one all-reduce on the default group and every learner applies it),
             ``"sharded"`` (every rank owns a slice of the parameters and optimizer state), or
             ``"auto"`` (default: collective for the sync family on models of at least
-            ``ranks.SCALE_MIN_NUMEL`` values, sharded for the async family once parameters x
-            (P - 1) reach ``ranks.SHARDED_MIN_TRAFFIC`` and, on one node, P reaches
-            ``ranks.ONE_HOST_SHARDED_MIN_P``; else central).
+            ``ranks.SCALE_MIN_NUMEL`` values, or ``ranks.ONE_HOST_COLLECTIVE_MIN_NUMEL`` for
+            CPU learners on one node with ``shared_memory``; sharded for the async family once
+            parameters x (P - 1) reach ``ranks.SHARDED_MIN_TRAFFIC`` and, on one node, P
+            reaches ``ranks.ONE_HOST_SHARDED_MIN_P``; else central).
             ``stats["server_path"]`` says which ran (and ``stats["shared_memory_learners"]``
             which learners used `shared_memory`).
         on_learner_failure: ``"stop"`` (default): a learner that dies ends the run, like DDP;
@@ -257,7 +258,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self._epoch = trainer.current_epoch
         self.path = choose_path(self.server, variant, ModelVectors.of(self.lightning_module).numel,
                                 self.on_learner_failure, self.staleness_compensation,
-                                clips=self._clip is not None, nodes=self.num_nodes)
+                                clips=self._clip is not None, nodes=self.num_nodes,
+                                cpu_shared_memory=self.shared_memory and self.root_device.type == "cpu")
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         # The collective path under a variant whose every update takes one gradient from each

@@ -3,14 +3,15 @@
 
 import pytest
 
-from lightning_stale.engine.distributed.ranks import (ONE_HOST_SHARDED_MIN_P, SCALE_MIN_NUMEL,
-                                                      SHARDED_MIN_TRAFFIC, choose_path)
+from lightning_stale.engine.distributed.ranks import (ONE_HOST_COLLECTIVE_MIN_NUMEL, ONE_HOST_SHARDED_MIN_P,
+                                                      SCALE_MIN_NUMEL, SHARDED_MIN_TRAFFIC, choose_path)
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 
 
-def auto(name, p, numel, k=None, failure="stop", compensation=None, clips=False, nodes=2):
-    return choose_path("auto", Variant.create(name, p, k), numel, failure, compensation, clips, nodes)
+def auto(name, p, numel, k=None, failure="stop", compensation=None, clips=False, nodes=2, cpu_shared_memory=False):
+    return choose_path("auto", Variant.create(name, p, k), numel, failure, compensation, clips, nodes,
+                       cpu_shared_memory)
 
 
 @pytest.mark.parametrize("name", ["sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"])
@@ -23,6 +24,19 @@ def test_small_models_and_one_learner_stay_central(name):
 def test_the_sync_family_goes_collective_at_scale():
     assert auto("sync", 2, SCALE_MIN_NUMEL) == "collective"
     assert auto("k_batch_sync", 4, SCALE_MIN_NUMEL, k=2) == "collective"
+
+
+def test_on_one_cpu_host_with_shared_memory_the_sync_family_stays_central_longer():
+    medium = ONE_HOST_COLLECTIVE_MIN_NUMEL - 1  # e.g. 1M parameters
+    assert SCALE_MIN_NUMEL < medium
+    for name, k in (("sync", None), ("k_sync", 4), ("k_batch_sync", 2)):
+        assert auto(name, 4, medium, k, nodes=1, cpu_shared_memory=True) == "central"
+        assert auto(name, 4, ONE_HOST_COLLECTIVE_MIN_NUMEL, k, nodes=1, cpu_shared_memory=True) == "collective"
+        # on GPUs or without shared memory (NCCL device to device; gloo), or across hosts: collective
+        assert auto(name, 4, medium, k, nodes=1, cpu_shared_memory=False) == "collective"
+        assert auto(name, 4, medium, k, nodes=2, cpu_shared_memory=True) == "collective"
+    # the async family's rule is its own
+    assert auto("k_async", 4, medium, 2, nodes=1, cpu_shared_memory=True) == "central"
 
 
 def test_the_async_family_shards_once_rank_0_would_carry_too_much():

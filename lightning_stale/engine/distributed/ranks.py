@@ -11,7 +11,8 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
   (`engine.distributed.overlap`).
 * ``"sharded"``: the server decides from headers; every rank owns a slice of the parameters and
   of the optimizer state, and applies its part of every update (`engine.distributed.sharded`).
-* ``"auto"``: collective for the sync family on a model of at least ``SCALE_MIN_NUMEL`` values;
+* ``"auto"``: collective for the sync family on a model of at least ``SCALE_MIN_NUMEL`` values
+  (``ONE_HOST_COLLECTIVE_MIN_NUMEL`` where CPU learners on one host share memory with rank 0);
   sharded for the async family once N x (P - 1) reaches ``SHARDED_MIN_TRAFFIC`` (central's rank
   0 moves about 2N(P - 1) values per P gradients, P times a ring all-reduce's share) and, when
   every learner runs on one host, P reaches ``ONE_HOST_SHARDED_MIN_P`` (there the "links" are
@@ -53,6 +54,13 @@ SERVER_PATHS = ("auto", "central", "collective", "sharded")
 # Below this many values per exchange a round trip through rank 0 costs less than spreading the
 # traffic (measured by benchmarks/scaling.py; see the README's "Scaling" section).
 SCALE_MIN_NUMEL = 1 << 18
+# CPU learners on one host with shared memory: the sync family stays central below this. There
+# `sync` through rank 0 ran at 1.11 to 1.18 x ddp's samples/s at 0.89M parameters on 2 and 4
+# processes where the collective path ran at 0.87 to 0.94 (two launches; at 3.5M the two were
+# within noise of each other, at 13.8M the collective path led). Where /dev/shm turns out full,
+# the payloads go over gloo, as before shared memory existed: then the central path ran at 0.90
+# at 0.89M, against the collective path's 1.00 and 0.92 on 2 and 4 processes (README, "Scaling").
+ONE_HOST_COLLECTIVE_MIN_NUMEL = 1 << 21
 # The async family on the central path until N x (P - 1) reaches this: below it the central
 # server kept up with the sharded one (2 and 4 processes, 1M to 16M parameters, same benchmark).
 SHARDED_MIN_TRAFFIC = 1 << 24
@@ -91,15 +99,19 @@ def check_path(path: str, variant_name: str, on_learner_failure: str,
 
 
 def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str,
-                compensation: StalenessCompensation | None, clips: bool = False, nodes: int = 1) -> str:
-    """The path to run (see the module docstring; ``nodes``: the hosts the learners run on); a
-    refusal names what to use instead."""
+                compensation: StalenessCompensation | None, clips: bool = False, nodes: int = 1,
+                cpu_shared_memory: bool = False) -> str:
+    """The path to run (see the module docstring; ``nodes``: the hosts the learners run on;
+    ``cpu_shared_memory``: the learners run on CPU and may share memory with rank 0); a refusal
+    names what to use instead."""
     if path != "auto":
         problem = path_problem(path, variant.name, on_learner_failure, compensation, clips)
         if problem:
             raise ValueError(problem)
         return path
     if variant.p == 1 or numel < SCALE_MIN_NUMEL:
+        return "central"
+    if variant.synchronous and nodes == 1 and cpu_shared_memory and numel < ONE_HOST_COLLECTIVE_MIN_NUMEL:
         return "central"
     if not variant.synchronous and numel * (variant.p - 1) < SHARDED_MIN_TRAFFIC:
         return "central"
