@@ -37,10 +37,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from _common import (StepTimer, base_parser, is_rank_zero, rank_print, run_per_device_count, table,
                      trainer_kwargs, write_results)
-from lightning_stale import StaleStrategy
 from lightning_stale.models import ResNet
 from overhead_vs_ddp import k_of
-from scaling import RecordTimes, chosen, summarise
+from scaling import RecordTimes, add_run_arguments, chosen, rate_of, strategy_for, summarise
 
 BATCH = 16
 STEPS = {"resnet": 30, "transformer": 30}
@@ -110,23 +109,12 @@ def run_launch(args) -> None:
                 loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
                 timer, records = StepTimer(warmup=args.warmup), RecordTimes()
                 k = k_of(mode, p) if mode != "ddp" else None
-                if mode == "ddp":
-                    strategy = "ddp"
-                else:
-                    late = path == "collective-late"
-                    strategy = StaleStrategy(mode, k, seed=args.seed, record_trace=False,
-                                             server="collective" if late else path, overlap_allreduce=not late)
-                trainer = Trainer(devices=p, strategy=strategy, max_steps=steps,
+                trainer = Trainer(devices=p, strategy=strategy_for(mode, k, path, args.seed), max_steps=steps,
                                   callbacks=[timer if mode == "ddp" else records], **trainer_kwargs())
                 trainer.fit(module, train_dataloaders=loader)
                 if not is_rank_zero():
                     continue
-                if mode == "ddp":
-                    interval, ran = timer.mean_interval_s, "ddp"
-                    sps = p * BATCH / interval
-                else:
-                    (interval, sps), ran = records.rate(args.warmup), trainer.strategy.stats["server_path"]
-                    ran += "-late" if path == "collective-late" else ""
+                interval, sps, ran = rate_of(mode, path, trainer, timer, records, args.warmup, p * BATCH)
                 parameters = sum(t.numel() for t in module.parameters())
                 rows.append({"devices": p, "size": model, "parameters": parameters, "mode": mode, "k": k,
                              "requested": path, "path": ran, "repeat": repeat,
@@ -139,13 +127,8 @@ def run_launch(args) -> None:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", default=list(STEPS), choices=list(STEPS))
-    parser.add_argument("--steps", type=int, default=None, help="updates per fit (default: 30)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--modes", nargs="+", default=None,
-                        help="runs to keep: ddp, a variant (its 'auto' path) or variant:path")
+    add_run_arguments(parser, repeats=3)
     launched = run_per_device_count(parser, __file__, "architectures", run_launch)
     if launched is None:
         return

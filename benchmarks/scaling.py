@@ -84,6 +84,35 @@ def chosen(mode: str, path: str, wanted: list[str] | None) -> bool:
     return wanted is None or (mode if path in ("", "auto") else f"{mode}:{path}") in wanted
 
 
+def strategy_for(mode: str, k: int | None, path: str, seed: int):
+    """Stock ``ddp``, or the engine on ``path`` (``collective-late``: the collective path with
+    the all-reduce after the decision)."""
+    if mode == "ddp":
+        return "ddp"
+    late = path == "collective-late"
+    return StaleStrategy(mode, k, seed=seed, record_trace=False, server="collective" if late else path,
+                         overlap_allreduce=not late)
+
+
+def rate_of(mode: str, path: str, trainer, timer: StepTimer, records: RecordTimes, warmup: int,
+            samples_per_step: int) -> tuple[float, float, str]:
+    """(seconds per update, samples/s, the path that ran) of a finished fit, on rank 0."""
+    if mode == "ddp":
+        return timer.mean_interval_s, samples_per_step / timer.mean_interval_s, "ddp"
+    interval, sps = records.rate(warmup)
+    return interval, sps, trainer.strategy.stats["server_path"] + ("-late" if path == "collective-late" else "")
+
+
+def add_run_arguments(parser, repeats: int) -> None:
+    """The options every launch of runs side by side takes."""
+    parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=None, help="updates per fit (default: by model)")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="runs to keep: ddp, a variant (its 'auto' path) or variant:path")
+
+
 def parameters(hidden: tuple[int, ...]) -> int:
     widths = [64, *hidden, 10]
     return sum(a * b + b for a, b in zip(widths, widths[1:]))
@@ -102,22 +131,12 @@ def run_launch(args) -> None:
                 model = MLPClassifier(features=64, hidden=SIZES[size], classes=10, lr=0.01)
                 loader = classification_loader(32 * p * (steps + 20) * 2, batch_size=32, seed=args.seed)
                 timer, records = StepTimer(warmup=args.warmup), RecordTimes()
-                if mode == "ddp":
-                    strategy = "ddp"
-                else:
-                    late = path == "collective-late"  # the all-reduce only after the decision
-                    strategy = StaleStrategy(mode, k, seed=args.seed, record_trace=False,
-                                             server="collective" if late else path, overlap_allreduce=not late)
-                trainer = Trainer(devices=p, strategy=strategy, max_steps=steps,
+                trainer = Trainer(devices=p, strategy=strategy_for(mode, k, path, args.seed), max_steps=steps,
                                   callbacks=[timer if mode == "ddp" else records], **trainer_kwargs())
                 trainer.fit(model, train_dataloaders=loader)
                 if not is_rank_zero():
                     continue
-                if mode == "ddp":
-                    interval, sps, ran = timer.mean_interval_s, p * 32 / timer.mean_interval_s, "ddp"
-                else:
-                    (interval, sps), ran = records.rate(args.warmup), trainer.strategy.stats["server_path"]
-                    ran += "-late" if path == "collective-late" else ""
+                interval, sps, ran = rate_of(mode, path, trainer, timer, records, args.warmup, p * 32)
                 rows.append({"devices": p, "size": size, "parameters": parameters(SIZES[size]),
                              "mode": mode, "k": k, "requested": path, "path": ran, "repeat": repeat,
                              "ms_per_update": 1e3 * interval, "samples_per_s": sps})
@@ -175,13 +194,8 @@ def plot(summary: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--steps", type=int, default=None, help="updates per fit (default: by size)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--modes", nargs="+", default=None,
-                        help="runs to keep: ddp, a variant (its 'auto' path) or variant:path")
+    add_run_arguments(parser, repeats=2)
     launched = run_per_device_count(parser, __file__, "scaling", run_launch)
     if launched is None:
         return
