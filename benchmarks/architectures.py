@@ -83,7 +83,7 @@ class TokenClassifier(nn.Module):
 
 
 def build(model: str) -> tuple[LightningModule, TensorDataset]:
-    """The module and a synthetic training set of ``samples`` (the same on every rank)."""
+    """The module and a synthetic training set of 4096 samples (the same on every rank)."""
     g = torch.Generator().manual_seed(0)
     samples = 4096
     if model == "resnet":

@@ -124,6 +124,25 @@ def test_an_epoch_end_pauses_everyone_without_dropping_anything():
     assert server.core.updates == 1 and server.core.rules.counts.received == 3
 
 
+def test_the_update_that_ends_an_epoch_answers_with_the_new_count_and_the_epochs_end_follows():
+    """What a learner relies on to pause at that update (`Learner._absorb`): every learner's
+    answer to the update that ends an epoch carries the new epoch count, and the EPOCH comes
+    right behind it, on the same connection, before anything else."""
+    server, endpoint = make_server("sync", p=4, pushes_per_epoch=8)
+    for learner in range(4):
+        push(server, learner, 0)
+    # within the epoch: answers with the count unchanged, and nothing behind them
+    assert [(m.kind, m.epoch) for _, m in endpoint.take()] == [(Kind.PARAMS, 0)] * 4
+    for learner in range(3):
+        push(server, learner, 1)
+    assert endpoint.take() == []  # Fully sync waits for the fourth
+    push(server, 3, 1)
+    sent = endpoint.take()
+    for learner in range(4):
+        mine = [(m.kind, m.version, m.epoch) for to, m in sent if to == learner]
+        assert mine == [(Kind.PARAMS, 2, 1), (Kind.EPOCH, 2, 1)]
+
+
 def test_on_the_collective_path_the_update_that_stops_training_goes_with_the_stop():
     # Learners hold the parameters there: a stop without the last update's payload would leave
     # every learner one update behind the books.
