@@ -23,7 +23,8 @@ of samples/s over ddp's in the same repeat. Targets (issue: scale the engine to 
 ``k_batch_async`` >= 0.9 x ddp; at 0.02M no variant slower than before (``benchmarks/overhead_vs_ddp.py``).
 
     python benchmarks/scaling.py [--devices 2 4] [--sizes 0.02M 1M 4M 16M] [--repeats 2]
-        [--modes ddp sync k_sync sync:collective-late ...]  (variant[:path]; default: all)
+        [--modes ddp sync k_sync sync:collective-late ...]  (variant[:path]; default: all but
+        ``sync:collective``, the sync family forced onto the collective path; sizes 2M and 8M too)
 
 Writes the table, ``scaling.png`` (time per update against parameters, one line per path and
 ddp), and the usual json/csv into ``--out``.
@@ -42,8 +43,10 @@ from _common import (MLPClassifier, StepTimer, base_parser, run_per_device_count
 from lightning_stale import StaleStrategy
 from overhead_vs_ddp import k_of
 
-SIZES = {"0.02M": (256,), "1M": (350,) * 8, "4M": (700,) * 8, "16M": (1400,) * 8}
-STEPS = {"0.02M": 300, "1M": 120, "4M": 60, "16M": 30}  # per fit; fewer for the slow ones
+SIZES = {"0.02M": (256,), "1M": (350,) * 8, "2M": (500,) * 8, "4M": (700,) * 8, "8M": (1000,) * 8,
+         "16M": (1400,) * 8}
+DEFAULT_SIZES = ["0.02M", "1M", "4M", "16M"]  # 2M and 8M: to place a crossover between paths
+STEPS = {"0.02M": 300, "1M": 120, "2M": 80, "4M": 60, "8M": 40, "16M": 30}  # per fit; fewer for the slow ones
 TARGETS = {("sync", "auto"): 0.95, ("k_sync", "auto"): 0.95, ("k_async", "auto"): 0.9,
            ("k_batch_async", "auto"): 0.9}
 
@@ -75,13 +78,17 @@ class RecordTimes(Callback):
 def modes(p: int) -> list[tuple[str, int | None, str]]:
     runs = [(name, "auto") for name in ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")]
     runs += [("sync", "central"), ("sync", "collective-late"), ("k_batch_async", "central"),
-             ("k_batch_async", "sharded")]
+             ("k_batch_async", "sharded"), ("sync", "collective")]
     return [("ddp", None, "")] + [(name, k_of(name, p), path) for name, path in runs]
+
+
+ON_REQUEST = {"sync:collective"}  # runs only where --modes names them
 
 
 def chosen(mode: str, path: str, wanted: list[str] | None) -> bool:
     """Whether ``--modes`` (``variant`` for its "auto" path, or ``variant:path``) names this run."""
-    return wanted is None or (mode if path in ("", "auto") else f"{mode}:{path}") in wanted
+    name = mode if path in ("", "auto") else f"{mode}:{path}"
+    return name in wanted if wanted is not None else name not in ON_REQUEST
 
 
 def strategy_for(mode: str, k: int | None, path: str, seed: int):
@@ -176,7 +183,8 @@ def plot(summary: list[dict], path: Path) -> None:
     # (one line per run as asked for: the path "auto" picks changes with the size)
     lines = [("ddp", "", "stock ddp"), ("sync", "auto", "sync, the path 'auto' picks"),
              ("sync", "collective-late", "sync, collective, all-reduce after the decision"),
-             ("sync", "central", "sync, central"), ("k_batch_async", "sharded", "K-batch-async, sharded"),
+             ("sync", "central", "sync, central"), ("sync", "collective", "sync, collective"),
+             ("k_batch_async", "sharded", "K-batch-async, sharded"),
              ("k_batch_async", "central", "K-batch-async, central")]
     for ax, p in zip(axes[0], counts):
         for mode, requested, label in lines:
@@ -194,7 +202,7 @@ def plot(summary: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, choices=list(SIZES))
     add_run_arguments(parser, repeats=2)
     launched = run_per_device_count(parser, __file__, "scaling", run_launch)
     if launched is None:

@@ -17,9 +17,8 @@ from lightning_stale.delays.models import DelayModel
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
-from lightning_stale.engine.distributed.ranks import RankOptions, build_rank, check_path, choose_path, overlaps
+from lightning_stale.engine.distributed.ranks import RankOptions, build_rank, check_path, overlaps, settle_path
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
-from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
@@ -73,8 +72,10 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             update meet in one all-reduce on the default group and every learner applies it),
             ``"sharded"`` (every rank owns a slice of the parameters and optimizer state), or
             ``"auto"`` (default: collective for the sync family on models of at least
-            ``ranks.SCALE_MIN_NUMEL`` values, or ``ranks.ONE_HOST_COLLECTIVE_MIN_NUMEL`` for
-            CPU learners on one node with ``shared_memory``; sharded for the async family once
+            ``ranks.SCALE_MIN_NUMEL`` values, or, for CPU learners on one node that all share
+            memory with rank 0 (``shared_memory``), ``ranks.ONE_HOST_COLLECTIVE_MIN_NUMEL``
+            (``ranks.CROWDED_HOST_COLLECTIVE_MIN_NUMEL`` where they outnumber the node's
+            cores); sharded for the async family once
             parameters x (P - 1) reach ``ranks.SHARDED_MIN_TRAFFIC`` and, on one node, P
             reaches ``ranks.ONE_HOST_SHARDED_MIN_P``; else central).
             ``stats["server_path"]`` says which ran (and ``stats["shared_memory_learners"]``
@@ -256,10 +257,10 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self._final_stats = None
         self.lost_learner = False
         self._epoch = trainer.current_epoch
-        self.path = choose_path(self.server, variant, ModelVectors.of(self.lightning_module).numel,
-                                self.on_learner_failure, self.staleness_compensation,
-                                clips=self._clip is not None, nodes=self.num_nodes,
-                                cpu_shared_memory=self.shared_memory and self.root_device.type == "cpu")
+        self.path, lanes = settle_path(self.server, variant, self.lightning_module, self._server_group,
+                                       self.global_rank, self.on_learner_failure, self.staleness_compensation,
+                                       clips=self._clip is not None, nodes=self.num_nodes,
+                                       shared_memory=self.shared_memory, cpu=self.root_device.type == "cpu")
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         # The collective path under a variant whose every update takes one gradient from each
@@ -278,7 +279,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                               self.shared_memory, overlap, self.shutdown_timeout)
         learner, self._server = build_rank(self.global_rank, self._server_group, self.lightning_module,
                                            self.optimizers[0], self._schedulers, variant, limits, options,
-                                           self._resume, self._clip)
+                                           self._resume, self._clip, lanes=lanes)
         self._learner, self._resume = learner, None
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
         self.shard_layout = getattr(learner.exchange, "layout", None)

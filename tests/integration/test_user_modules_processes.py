@@ -160,6 +160,17 @@ def test_a_module_too_large_for_a_frame_trains_through_shared_memory(runs):
     assert books_balance(stats) and min(stats["pushes_per_learner"]) > 0
 
 
+def test_auto_runs_a_mid_sized_sync_model_central_on_the_lanes_it_opened_to_decide(runs):
+    from lightning_stale.engine.distributed.ranks import ONE_HOST_COLLECTIVE_MIN_NUMEL, SCALE_MIN_NUMEL
+
+    run = runs["wider@auto"]
+    stats = run["stats"]
+    assert SCALE_MIN_NUMEL <= run["numel"] < ONE_HOST_COLLECTIVE_MIN_NUMEL  # collective over gloo
+    assert stats["server_path"] == "central" and stats["shared_memory_learners"] == [1]
+    assert run["same_on_every_learner"] and all(run["same_on_every_learner"]) and run["same_after_fit"]
+    assert books_balance(stats) and stats["updates"] > 0
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="`lightning` is not installed"
 )

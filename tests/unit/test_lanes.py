@@ -167,3 +167,66 @@ def test_a_central_learner_packs_its_push_into_the_lane(tmp_path):
     exchange.fill_push(message := Message(Kind.PUSH, 1))
     assert slots[-1] == vectors.state_numel + 2 and message.flags
     assert message.payload.numel() == slots[-1] and message.payload[-2:].tolist() == [1.0, 0.0]
+
+
+class ThreadRanks:
+    """The two collectives `open_lanes` calls, played by threads (one per rank) and a barrier."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.barrier, self.local = world, threading.Barrier(world, timeout=30), threading.local()
+        self.table: list = [None] * world
+
+    def get_world_size(self, group=None) -> int:
+        return self.world
+
+    def all_gather(self, out: list, tensor, group=None) -> None:
+        self.table[self.local.rank] = tensor.clone()
+        self.barrier.wait()
+        for i, t in enumerate(self.table):
+            out[i].copy_(t)
+        self.barrier.wait()
+
+    def broadcast(self, tensor, src: int, group=None) -> None:
+        if self.local.rank == src:
+            self.table[src] = tensor.clone()
+        self.barrier.wait()
+        tensor.copy_(self.table[src])
+        self.barrier.wait()
+
+    def run(self, fn) -> list:
+        results: list = [None] * self.world
+
+        def one(rank: int) -> None:
+            self.local.rank = rank
+            results[rank] = fn(rank)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return results
+
+
+@pytest.mark.parametrize("all_or_none", [False, True])
+@pytest.mark.parametrize("without", [None, 2])
+def test_lanes_open_for_every_learner_that_can_have_them_or_with_all_or_none_for_all_or_none(
+        tmp_path, monkeypatch, all_or_none, without):
+    from lightning_stale.engine.distributed import lanes as lanes_module
+
+    ranks = ThreadRanks(3)
+    monkeypatch.setattr(lanes_module, "dist", ranks)
+    slot = slot_bytes_for(1000, torch.float32)
+    got = ranks.run(lambda rank: lanes_module.open_lanes(None, rank, slot, enabled=rank != without,
+                                                         directory=str(tmp_path), all_or_none=all_or_none))
+    sharing = [1, 2] if without is None else [1]
+    if all_or_none and without is not None:
+        sharing = []  # learner 2 has no shared memory, so nobody uses it: every rank knows the same
+    assert sorted(got[0]) == sharing
+    assert [sorted(got[r]) for r in (1, 2)] == [[0] if r in sharing else [] for r in (1, 2)]
+    for r in sharing:  # each learner's lane to the server and back joins the right pair
+        got[r][0][0].write(torch.full((5,), float(r)), never)
+        assert torch.equal(got[0][r][1].read(5, torch.float32), torch.full((5,), float(r)))
+        got[0][r][0].write(torch.full((3,), -float(r)), never)
+        assert torch.equal(got[r][0][1].read(3, torch.float32), torch.full((3,), -float(r)))
+    assert os.listdir(tmp_path) == []  # nothing left behind either way

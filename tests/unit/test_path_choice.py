@@ -3,15 +3,17 @@
 
 import pytest
 
-from lightning_stale.engine.distributed.ranks import (ONE_HOST_COLLECTIVE_MIN_NUMEL, ONE_HOST_SHARDED_MIN_P,
-                                                      SCALE_MIN_NUMEL, SHARDED_MIN_TRAFFIC, choose_path)
+from lightning_stale.engine.distributed.ranks import (CROWDED_HOST_COLLECTIVE_MIN_NUMEL, ONE_HOST_COLLECTIVE_MIN_NUMEL,
+                                                      ONE_HOST_SHARDED_MIN_P, SCALE_MIN_NUMEL, SHARDED_MIN_TRAFFIC,
+                                                      central_if_memory_is_shared, choose_path)
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 
 
-def auto(name, p, numel, k=None, failure="stop", compensation=None, clips=False, nodes=2, cpu_shared_memory=False):
-    return choose_path("auto", Variant.create(name, p, k), numel, failure, compensation, clips, nodes,
-                       cpu_shared_memory)
+def auto(name, p, numel, k=None, failure="stop", compensation=None, clips=False, nodes=2, cores=None,
+         shared=False):
+    return choose_path("auto", Variant.create(name, p, k), numel, failure, compensation, clips, nodes, cores,
+                       memory_shared=shared)
 
 
 @pytest.mark.parametrize("name", ["sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"])
@@ -30,13 +32,44 @@ def test_on_one_cpu_host_with_shared_memory_the_sync_family_stays_central_longer
     medium = ONE_HOST_COLLECTIVE_MIN_NUMEL - 1  # e.g. 1M parameters
     assert SCALE_MIN_NUMEL < medium
     for name, k in (("sync", None), ("k_sync", 4), ("k_batch_sync", 2)):
-        assert auto(name, 4, medium, k, nodes=1, cpu_shared_memory=True) == "central"
-        assert auto(name, 4, ONE_HOST_COLLECTIVE_MIN_NUMEL, k, nodes=1, cpu_shared_memory=True) == "collective"
-        # on GPUs or without shared memory (NCCL device to device; gloo), or across hosts: collective
-        assert auto(name, 4, medium, k, nodes=1, cpu_shared_memory=False) == "collective"
-        assert auto(name, 4, medium, k, nodes=2, cpu_shared_memory=True) == "collective"
+        assert auto(name, 4, medium, k, nodes=1, cores=8, shared=True) == "central"
+        assert auto(name, 4, ONE_HOST_COLLECTIVE_MIN_NUMEL, k, nodes=1, cores=8, shared=True) == "collective"
+        # a learner without shared memory (its payloads over gloo), GPUs (NCCL device to device),
+        # or several hosts: collective
+        assert auto(name, 4, medium, k, nodes=1, cores=8, shared=False) == "collective"
+        assert auto(name, 4, medium, k, nodes=1, cores=None, shared=True) == "collective"
+        assert auto(name, 4, medium, k, nodes=2, cores=8, shared=True) == "collective"
     # the async family's rule is its own
-    assert auto("k_async", 4, medium, 2, nodes=1, cpu_shared_memory=True) == "central"
+    assert auto("k_async", 4, medium, 2, nodes=1, cores=8, shared=True) == "central"
+
+
+def test_where_cpu_learners_outnumber_the_cores_the_sync_family_stays_central_longer_still():
+    crowded, roomy = 2, 4  # cores for 4 learners
+    assert ONE_HOST_COLLECTIVE_MIN_NUMEL < 3_500_000 < CROWDED_HOST_COLLECTIVE_MIN_NUMEL < 13_800_000
+    for numel in (ONE_HOST_COLLECTIVE_MIN_NUMEL, 3_500_000, CROWDED_HOST_COLLECTIVE_MIN_NUMEL - 1):
+        assert auto("sync", 4, numel, nodes=1, cores=crowded, shared=True) == "central"
+        assert auto("sync", 4, numel, nodes=1, cores=roomy, shared=True) == "collective"
+        assert auto("sync", 4, numel, nodes=1, cores=crowded, shared=False) == "collective"
+    assert auto("sync", 4, CROWDED_HOST_COLLECTIVE_MIN_NUMEL, nodes=1, cores=crowded, shared=True) == "collective"
+
+
+@pytest.mark.parametrize("name, p, numel, nodes, cores, asks", [
+    ("sync", 4, 3_500_000, 1, 2, True),  # the strategy opens the lanes to decide
+    ("k_batch_sync", 4, 1_000_000, 1, 8, True),
+    ("sync", 4, SCALE_MIN_NUMEL - 1, 1, 2, False),  # central anyway
+    ("sync", 4, 3_500_000, 1, 4, False),  # collective: the learners have a core each
+    ("sync", 4, 3_500_000, 2, 2, False),  # two hosts
+    ("sync", 4, 3_500_000, 1, None, False),  # GPUs
+    ("k_async", 4, 3_500_000, 1, 2, False),  # the async family's rule needs no lanes
+    ("sync", 1, 3_500_000, 1, 2, False),  # no remote learner
+])
+def test_the_question_of_shared_memory_is_asked_only_where_its_answer_decides(name, p, numel, nodes, cores, asks):
+    variant = Variant.create(name, p, p // 2 if name.startswith("k_") else None)
+    assert central_if_memory_is_shared(variant, numel, nodes, cores) is asks
+    if asks:  # and the answer then decides
+        paths = {choose_path("auto", variant, numel, "stop", None, False, nodes, cores, memory_shared=shared)
+                 for shared in (True, False)}
+        assert paths == {"central", "collective"}
 
 
 def test_the_async_family_shards_once_rank_0_would_carry_too_much():

@@ -169,12 +169,13 @@ class LaneFile:
 
 
 def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
-               directory: str = SHM_DIR) -> dict[int, tuple[Lane, Lane]]:
+               directory: str = SHM_DIR, all_or_none: bool = False) -> dict[int, tuple[Lane, Lane]]:
     """The lanes between the server (rank 0) and every remote learner on its host; collective
     over ``group`` (every rank calls it).
 
     Returns this rank's lanes by peer, as (to send on, to receive on): on rank 0 one pair per
-    learner that has them, on a learner at most one (peer 0)."""
+    learner that has them, on a learner at most one (peer 0). ``all_or_none``: none on any rank
+    unless every remote learner has them (every rank then knows the same)."""
     made, token = None, 0
     if rank != 0 and enabled:
         try:
@@ -205,6 +206,8 @@ def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
     dist.broadcast(has, src=0, group=group)
     if made is not None:
         made.unlink()  # rank 0 has mapped it, or never will
+    if all_or_none and not bool(has[1:].all()):
+        return {}  # (the mappings go with their tensors)
     if rank == 0:
         return {peer: (f.down, f.up) for peer, f in mapped.items()}
     return {0: (made.up, made.down)} if made is not None and has[rank] else {}

@@ -12,7 +12,8 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
 * ``"sharded"``: the server decides from headers; every rank owns a slice of the parameters and
   of the optimizer state, and applies its part of every update (`engine.distributed.sharded`).
 * ``"auto"``: collective for the sync family on a model of at least ``SCALE_MIN_NUMEL`` values
-  (``ONE_HOST_COLLECTIVE_MIN_NUMEL`` where CPU learners on one host share memory with rank 0);
+  (where CPU learners on one host all share memory with rank 0: ``ONE_HOST_COLLECTIVE_MIN_NUMEL``,
+  or ``CROWDED_HOST_COLLECTIVE_MIN_NUMEL`` where they outnumber the host's cores);
   sharded for the async family once N x (P - 1) reaches ``SHARDED_MIN_TRAFFIC`` (central's rank
   0 moves about 2N(P - 1) values per P gradients, P times a ring all-reduce's share) and, when
   every learner runs on one host, P reaches ``ONE_HOST_SHARDED_MIN_P`` (there the "links" are
@@ -23,6 +24,7 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import time
 from dataclasses import dataclass
@@ -61,6 +63,13 @@ SCALE_MIN_NUMEL = 1 << 18
 # the payloads go over gloo, as before shared memory existed: then the central path ran at 0.90
 # at 0.89M, against the collective path's 1.00 and 0.92 on 2 and 4 processes (README, "Scaling").
 ONE_HOST_COLLECTIVE_MIN_NUMEL = 1 << 21
+# The same where the learners outnumber the host's cores: there the collective path's P optimizer
+# steps (one per learner) compete for the cores, where rank 0 steps once for everyone. On 4
+# processes on 2 cores `sync` through rank 0 ran at 1.08, 0.99 and 1.04 x ddp at 1.8M, 3.5M and
+# 7.1M parameters against the collective path's 0.89, 0.95 and 0.98 (one launch, three repeats;
+# two earlier launches at 3.5M: 1.03 and 0.97 against 0.915 and 0.93), and behind it at 13.8M
+# (0.99 against 1.03); on 2 processes the collective path led from 7.1M (README, "Scaling").
+CROWDED_HOST_COLLECTIVE_MIN_NUMEL = 1 << 23
 # The async family on the central path until N x (P - 1) reaches this: below it the central
 # server kept up with the sharded one (2 and 4 processes, 1M to 16M parameters, same benchmark).
 SHARDED_MIN_TRAFFIC = 1 << 24
@@ -98,12 +107,25 @@ def check_path(path: str, variant_name: str, on_learner_failure: str,
         raise ValueError(problem)
 
 
+def central_if_memory_is_shared(variant: Variant, numel: int, nodes: int, cpu_cores: int | None) -> bool:
+    """Whether ``"auto"`` runs this model central provided that every remote learner shares memory
+    with rank 0 (`lanes`): the sync family, CPU learners (``cpu_cores``: the host's cores, None on
+    GPUs) on one host, from ``SCALE_MIN_NUMEL`` values to ``ONE_HOST_COLLECTIVE_MIN_NUMEL``, or to
+    ``CROWDED_HOST_COLLECTIVE_MIN_NUMEL`` where the learners outnumber the cores. Over gloo the
+    central path fell behind the collective one there (README, "Scaling"), so the strategy opens
+    the lanes first (`settle_path`) and asks `choose_path` with the answer."""
+    if not variant.synchronous or nodes != 1 or cpu_cores is None or variant.p == 1:
+        return False
+    limit = CROWDED_HOST_COLLECTIVE_MIN_NUMEL if variant.p > cpu_cores else ONE_HOST_COLLECTIVE_MIN_NUMEL
+    return SCALE_MIN_NUMEL <= numel < limit
+
+
 def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str,
                 compensation: StalenessCompensation | None, clips: bool = False, nodes: int = 1,
-                cpu_shared_memory: bool = False) -> str:
+                cpu_cores: int | None = None, memory_shared: bool = False) -> str:
     """The path to run (see the module docstring; ``nodes``: the hosts the learners run on;
-    ``cpu_shared_memory``: the learners run on CPU and may share memory with rank 0); a refusal
-    names what to use instead."""
+    ``cpu_cores``: the host's cores where the learners run on CPU, else None; ``memory_shared``:
+    every remote learner shares memory with rank 0); a refusal names what to use instead."""
     if path != "auto":
         problem = path_problem(path, variant.name, on_learner_failure, compensation, clips)
         if problem:
@@ -111,7 +133,7 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
         return path
     if variant.p == 1 or numel < SCALE_MIN_NUMEL:
         return "central"
-    if variant.synchronous and nodes == 1 and cpu_shared_memory and numel < ONE_HOST_COLLECTIVE_MIN_NUMEL:
+    if memory_shared and central_if_memory_is_shared(variant, numel, nodes, cpu_cores):
         return "central"
     if not variant.synchronous and numel * (variant.p - 1) < SHARDED_MIN_TRAFFIC:
         return "central"
@@ -145,11 +167,28 @@ class RankOptions:
     shutdown_timeout: float = 60.0
 
 
+def settle_path(path: str, variant: Variant, module: nn.Module, group, rank: int, on_learner_failure: str,
+                compensation: StalenessCompensation | None, clips: bool = False, nodes: int = 1,
+                shared_memory: bool = True, cpu: bool = True) -> tuple[str, dict | None]:
+    """The path to run, the same on every rank (`choose_path`), and the central path's lanes
+    where they were opened to decide it, for `build_rank` (collective over ``group`` then)."""
+    vectors = ModelVectors.of(module)
+    cores = (os.cpu_count() or 1) if cpu else None  # the host's: the same on every rank of it
+    lanes = None
+    if path == "auto" and shared_memory and central_if_memory_is_shared(variant, vectors.numel, nodes, cores):
+        lanes = open_lanes(group, rank, slot_bytes_for(vectors.max_push_numel(), vectors.dtype), all_or_none=True)
+    chosen = choose_path(path, variant, vectors.numel, on_learner_failure, compensation, clips, nodes, cores,
+                         memory_shared=bool(lanes))
+    return chosen, (lanes or None) if chosen == "central" else None
+
+
 def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedulers: list,
                variant: Variant, limits: ServerLimits, options: RankOptions,
                resume: dict | None = None,
-               clip: Callable[[Optimizer], None] | None = None) -> tuple[Learner, ParameterServer | None]:
-    """This rank's learner and, on rank 0, the started server (its thread running)."""
+               clip: Callable[[Optimizer], None] | None = None,
+               lanes: dict | None = None) -> tuple[Learner, ParameterServer | None]:
+    """This rank's learner and, on rank 0, the started server (its thread running); ``lanes``:
+    the central path's, where `settle_path` opened them."""
     vectors = ModelVectors.of(module)
     exchange = owner = payloads = server = None
     if options.path in ("collective", "sharded"):
@@ -171,12 +210,14 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                                           dist.new_group(backend="gloo", timeout=datetime.timedelta(
                                               seconds=options.shutdown_timeout)), device)
         exchange = CollectiveExchange(vectors, optimizer, schedules, rank, device, clip, overlap=overlap)
-    lanes: dict = {}
     slot_bytes = slot_bytes_for(vectors.max_push_numel(), vectors.dtype)
-    if options.path == "central" and group is not None and slot_bytes > INLINE_PAYLOAD_BYTES:
+    if options.path != "central":
+        lanes = {}
+    elif lanes is None and group is not None and slot_bytes > INLINE_PAYLOAD_BYTES:
         # (smaller payloads travel inside their header's frame.) Collective: every rank takes
         # part, whether or not it can share memory with rank 0.
         lanes = open_lanes(group, rank, slot_bytes, enabled=options.shared_memory)
+    lanes = lanes or {}
     if rank == 0:
         if options.path in ("collective", "sharded"):
             core = ServerCore(variant, None, limits, options.adaptive, options.compensation,

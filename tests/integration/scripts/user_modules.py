@@ -317,6 +317,16 @@ if trainer.global_rank == 0:
         "configured_lr": model.hparams.lr, "stats": trainer.strategy.stats,
     }
 
+# `sync` on the 'auto' path with a model that is central only where every learner shares memory
+# with rank 0 (`ranks.settle_path` opens the lanes to decide, and the central path takes them).
+pl.seed_everything(0)
+model, books = um.WideFrozenBatchNorm(width=2100), Books()
+trainer = fit(model, um.BlobData(), StaleStrategy("sync", record_trace=False), [books], max_epochs=1)
+same = same_everywhere(trainer, model)
+if trainer.global_rank == 0:
+    results["wider@auto"] = {"same_on_every_learner": books.same, "same_after_fit": same,
+                             "numel": ModelVectors.of(model).numel, "stats": trainer.strategy.stats}
+
 # The same processes under a lightning.pytorch Trainer.
 if importlib.util.find_spec("lightning") is not None:
     import lightning as L
