@@ -24,7 +24,8 @@ of samples/s over ddp's in the same repeat. Targets (issue: scale the engine to 
 
     python benchmarks/scaling.py [--devices 2 4] [--sizes 0.02M 1M 4M 16M] [--repeats 2]
         [--modes ddp sync k_sync sync:collective-late ...]  (variant[:path]; default: all but
-        ``sync:collective``, the sync family forced onto the collective path; sizes 2M and 8M too)
+        ``sync:collective`` and ``k_batch_sync:collective``, forced onto the collective path;
+        sizes 2M and 8M too)
 
 Writes the table, ``scaling.png`` (time per update against parameters, one line per path and
 ddp), and the usual json/csv into ``--out``.
@@ -78,11 +79,11 @@ class RecordTimes(Callback):
 def modes(p: int) -> list[tuple[str, int | None, str]]:
     runs = [(name, "auto") for name in ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")]
     runs += [("sync", "central"), ("sync", "collective-late"), ("k_batch_async", "central"),
-             ("k_batch_async", "sharded"), ("sync", "collective")]
+             ("k_batch_async", "sharded"), ("sync", "collective"), ("k_batch_sync", "collective")]
     return [("ddp", None, "")] + [(name, k_of(name, p), path) for name, path in runs]
 
 
-ON_REQUEST = {"sync:collective"}  # runs only where --modes names them
+ON_REQUEST = {"sync:collective", "k_batch_sync:collective"}  # runs only where --modes names them
 
 
 def chosen(mode: str, path: str, wanted: list[str] | None) -> bool:
