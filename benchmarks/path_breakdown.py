@@ -63,13 +63,14 @@ _LOCK = threading.Lock()
 
 def _wrapped():
     import lightning_stale.engine.distributed.collective as collective
+    import lightning_stale.engine.distributed.central as central
     import lightning_stale.engine.distributed.learner as learner
     import lightning_stale.engine.distributed.server as server
     import lightning_stale.engine.distributed.sharded as sharded
     import lightning_stale.engine.distributed.transport as transport
     from lightning_stale.strategies.base import ServerStrategyMixin
 
-    exchanges = (learner.CentralExchange, collective.CollectiveExchange, sharded.ShardedExchange)
+    exchanges = (central.CentralExchange, collective.CollectiveExchange, sharded.ShardedExchange)
     return ([(ServerStrategyMixin, "compute_gradient", "compute"), (learner.Learner, "_wait", "wait"),
              (transport.LearnerEndpoint, "push", "send"), (server.ParameterServer, "_on_push", "decide"),
              (sharded.ShardOwner, "_apply", "owner apply"), (sharded.ShardOwner, "_take", "owner wait"),

@@ -142,7 +142,7 @@ def test_a_payload_packed_in_the_next_slot_is_sent_from_there_and_work_thrown_aw
 
 
 def test_a_central_learner_packs_its_push_into_the_lane(tmp_path):
-    from lightning_stale.engine.distributed.learner import CentralExchange
+    from lightning_stale.engine.distributed.central import CentralExchange
     from lightning_stale.engine.state import ModelVectors
 
     learner, server = open_pair(tmp_path, 1000)

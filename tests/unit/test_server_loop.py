@@ -15,7 +15,8 @@ from torch import nn
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, Flag, Kind, Message, TransportError,
                                                          coalesce, payload_text, text_payload)
-from lightning_stale.engine.distributed.server import CentralPayloads, ParameterServer
+from lightning_stale.engine.distributed.central import CentralPayloads
+from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.transport import (FRAME_BYTES, INLINE_PAYLOAD_BYTES, ServerEndpoint,
                                                           decode, encode)
 from lightning_stale.engine.state import ModelVectors, ServerState

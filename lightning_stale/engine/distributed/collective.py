@@ -52,7 +52,7 @@ def update_payload(update: Update, p: int, overlap_next: bool = False) -> Tensor
 
 
 class CollectivePayloads:
-    """The server's side of the collective path (hooks as `server.CentralPayloads`): pushes are
+    """The server's side of the collective path (hooks as `central.CentralPayloads`): pushes are
     headers, and a refresh (every learner, at every update of the sync family) carries
     `update_payload`; nothing else carries parameters, since every learner holds them.
 

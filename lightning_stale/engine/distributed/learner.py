@@ -32,11 +32,11 @@ from typing import Callable
 
 import torch
 
+from lightning_stale.engine.distributed.central import CentralExchange
 from lightning_stale.engine.distributed.clocks import POLL_S, MiniBatchClock, Silence
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
 from lightning_stale.engine.distributed.transport import LearnerEndpoint
 from lightning_stale.engine.state import ModelVectors
-
 
 
 class ServerFailed(RuntimeError):
@@ -75,43 +75,6 @@ class _Events:
     @property
     def interrupts(self) -> bool:
         return self.refreshed or self.stopped
-
-
-class CentralExchange:
-    """How a learner meets a server that holds the parameters: a push carries the gradient (and
-    the learner's buffers), new parameters arrive as a vector."""
-
-    schedules = None  # the server steps the LR schedulers
-
-    def __init__(self, vectors: ModelVectors,
-                 buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None) -> None:
-        self.vectors, self.buffer = vectors, buffer
-
-    def fill_push(self, message: Message) -> None:
-        """The gradient, taken when the mini-batch's computation ends; packed straight into
-        shared memory where ``buffer`` (`LearnerEndpoint.push_buffer`) offers a place."""
-        buffer, dtype = self.buffer, self.vectors.dtype
-        place = None if buffer is None else (lambda numel: buffer(numel, dtype))
-        message.payload, masked = self.vectors.push_vector(out=place)
-        if masked:
-            message.flags |= Flag.MASKED
-
-    def before_push(self, message: Message) -> None:
-        """The push leaves now (not when cancelled work is thrown away)."""
-
-    def after_push(self, message: Message) -> None:
-        """The push has left; the answer has not been waited for yet."""
-
-    def resolve(self, message: Message, check: Callable[[], None]) -> None:
-        """Complete a message's parameters, where they come in parts."""
-
-    def take(self, message: Message) -> None:
-        if message.payload is not None:
-            self.vectors.load_state(message.payload)
-
-    def close(self, timeout: float) -> list[str]:
-        """After the stop: release what the exchange holds; names of threads still running."""
-        return []
 
 
 class Learner:

@@ -41,7 +41,8 @@ from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.mesh import DataMesh
 from lightning_stale.engine.distributed.messages import INLINE_PAYLOAD_BYTES, Kind, Message
 from lightning_stale.engine.distributed.overlap import OverlappedAllReduce
-from lightning_stale.engine.distributed.server import CentralPayloads, ParameterServer
+from lightning_stale.engine.distributed.central import CentralPayloads
+from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.sharded import (ShardedExchange, ShardedPayloads, ShardLayout,
                                                         ShardOwner)
 from lightning_stale.engine.distributed.lanes import open_lanes, slot_bytes_for

@@ -25,12 +25,10 @@ from typing import Mapping
 
 import torch
 
-
 from lightning_stale.delays.traces import TraceRecorder
 from lightning_stale.engine.core import Outcome, ServerCore
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
 from lightning_stale.engine.distributed.transport import ServerEndpoint
-from lightning_stale.engine.state import Contribution, ModelVectors
 from lightning_stale.method.rules import Decision
 
 log = logging.getLogger(__name__)
@@ -38,36 +36,6 @@ log = logging.getLogger(__name__)
 LEARNER_FAILURE_MODES = ("stop", "continue")
 # local events, from rank 0's learner thread
 _RESUME, _METRICS, _GATHER = "resume", "metrics", "gather"
-
-
-class CentralPayloads:
-    """What travels when the server holds the parameters: a push carries the gradient (split by
-    ``vectors``), and every message that refreshes, pauses or stops a learner carries the
-    server's parameters and buffers.
-
-    Every path's payloads offer the same hooks: what the core keeps of a push
-    (`contribution`), what a message to a learner carries (`fill`), and what happens besides
-    at an update, when schedulers are due, and at the stop (`on_update`, `on_schedule`,
-    `on_stop`; nothing here: the core's state does it all)."""
-
-    def __init__(self, vectors: ModelVectors) -> None:
-        self.vectors = vectors
-
-    def contribution(self, message: Message) -> Contribution:
-        return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
-
-    def fill(self, message: Message, core: ServerCore, decision: Decision | None) -> None:
-        if message.kind in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
-            message.payload = core.state.snapshot(core.version)
-
-    def on_update(self, update, contributions, weights) -> None:
-        pass
-
-    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
-        pass
-
-    def on_stop(self) -> None:
-        pass
 
 
 class ParameterServer:

@@ -1,0 +1,85 @@
+"""The central path: the server on rank 0 holds the parameters (`engine.distributed.ranks`).
+
+Both sides of it: `CentralExchange`, how a learner meets such a server (a push carries the
+gradient, an answer the parameters), and `CentralPayloads`, what the server's messages carry.
+The collective and sharded paths offer the same two objects (`engine.distributed.collective`,
+`engine.distributed.sharded`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from lightning_stale.engine.core import ServerCore
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message
+from lightning_stale.engine.state import Contribution, ModelVectors
+from lightning_stale.method.rules import Decision
+
+
+class CentralExchange:
+    """How a learner meets a server that holds the parameters: a push carries the gradient (and
+    the learner's buffers), new parameters arrive as a vector."""
+
+    schedules = None  # the server steps the LR schedulers
+
+    def __init__(self, vectors: ModelVectors,
+                 buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None) -> None:
+        self.vectors, self.buffer = vectors, buffer
+
+    def fill_push(self, message: Message) -> None:
+        """The gradient, taken when the mini-batch's computation ends; packed straight into
+        shared memory where ``buffer`` (`LearnerEndpoint.push_buffer`) offers a place."""
+        buffer, dtype = self.buffer, self.vectors.dtype
+        place = None if buffer is None else (lambda numel: buffer(numel, dtype))
+        message.payload, masked = self.vectors.push_vector(out=place)
+        if masked:
+            message.flags |= Flag.MASKED
+
+    def before_push(self, message: Message) -> None:
+        """The push leaves now (not when cancelled work is thrown away)."""
+
+    def after_push(self, message: Message) -> None:
+        """The push has left; the answer has not been waited for yet."""
+
+    def resolve(self, message: Message, check: Callable[[], None]) -> None:
+        """Complete a message's parameters, where they come in parts."""
+
+    def take(self, message: Message) -> None:
+        if message.payload is not None:
+            self.vectors.load_state(message.payload)
+
+    def close(self, timeout: float) -> list[str]:
+        """After the stop: release what the exchange holds; names of threads still running."""
+        return []
+
+
+class CentralPayloads:
+    """What travels when the server holds the parameters: a push carries the gradient (split by
+    ``vectors``), and every message that refreshes, pauses or stops a learner carries the
+    server's parameters and buffers.
+
+    Every path's payloads offer the same hooks: what the core keeps of a push
+    (`contribution`), what a message to a learner carries (`fill`), and what happens besides
+    at an update, when schedulers are due, and at the stop (`on_update`, `on_schedule`,
+    `on_stop`; nothing here: the core's state does it all)."""
+
+    def __init__(self, vectors: ModelVectors) -> None:
+        self.vectors = vectors
+
+    def contribution(self, message: Message) -> Contribution:
+        return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
+
+    def fill(self, message: Message, core: ServerCore, decision: Decision | None) -> None:
+        if message.kind in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
+            message.payload = core.state.snapshot(core.version)
+
+    def on_update(self, update, contributions, weights) -> None:
+        pass
+
+    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
+        pass
+
+    def on_stop(self) -> None:
+        pass
