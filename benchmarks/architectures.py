@@ -14,9 +14,10 @@ written the way users write them, with AdamW and a linear warm-up stepped per up
 Many tensors put the per-parameter hooks of the sync family's all-reduce during backward, and
 the buffers the packing of every update, on the clock. No injected delay. Per process count
 (one launch each, ``--devices``) and model, every mode runs interleaved ``--repeats`` times:
-``ddp``; ``sync`` and ``k_sync`` (K = P) on the path ``"auto"`` picks (collective); ``sync``
-with the all-reduce after the server's decision (``sync:collective-late``); ``k_async`` and
-``k_batch_async`` (K = P/2) on their ``"auto"`` path. Measured and summarised as in
+``ddp``; ``sync`` and ``k_sync`` (K = P) on the path ``"auto"`` picks (collective, or central
+where CPU learners outnumber the cores); ``sync`` with the all-reduce after the server's decision
+(``sync:collective-late``); ``k_async`` and ``k_batch_async`` (K = P/2) on their ``"auto"``
+path; on request (``--modes``), ``sync:collective``, forced onto the collective path. Measured and summarised as in
 `scaling.py` (``vs_ddp``: the median over repeats of samples/s over ddp's in the same repeat).
 
     python benchmarks/architectures.py [--devices 2 4] [--models resnet transformer] [--repeats 3]
@@ -44,7 +45,7 @@ from scaling import RecordTimes, add_run_arguments, chosen, rate_of, strategy_fo
 BATCH = 16
 STEPS = {"resnet": 30, "transformer": 30}
 MODES = [("ddp", ""), ("sync", "auto"), ("k_sync", "auto"), ("sync", "collective-late"),
-         ("k_async", "auto"), ("k_batch_async", "auto")]
+         ("k_async", "auto"), ("k_batch_async", "auto"), ("sync", "collective")]  # the last on request
 
 
 class WarmedUp(LightningModule):

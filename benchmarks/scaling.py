@@ -6,8 +6,9 @@ default 2 then 4) and size, every mode runs interleaved ``--repeats`` times:
 
 * ``ddp``: Lightning's stock DDP (one all-reduce per step);
 * the six variants on the path ``server="auto"`` picks (`ranks.choose_path`: collective for the
-  sync family from `ranks.SCALE_MIN_NUMEL` values, or `ranks.ONE_HOST_COLLECTIVE_MIN_NUMEL` on
-  one CPU host with shared memory, sharded for the async family once parameters
+  sync family from `ranks.SCALE_MIN_NUMEL` values, or `ranks.ONE_HOST_COLLECTIVE_MIN_NUMEL`
+  (`ranks.CROWDED_HOST_COLLECTIVE_MIN_NUMEL` where the learners outnumber the cores) on one CPU
+  host whose learners all share memory with rank 0, sharded for the async family once parameters
   x (P - 1) reach `ranks.SHARDED_MIN_TRAFFIC` and, on one host, P reaches
   `ranks.ONE_HOST_SHARDED_MIN_P`; central otherwise), K = P for
   ``sync``/``k_sync`` and K = P/2 for the K-variants of the other families, K = 1 for Async;
