@@ -11,6 +11,7 @@ import torch
 from lightning_stale.engine.distributed.lanes import SLOTS, LaneClosed, LaneFile, slot_bytes_for
 from lightning_stale.engine.distributed.messages import IN_LANE, Kind, Message, TransportError
 from lightning_stale.engine.distributed.transport import decode, encode
+from thread_ranks import ThreadRanks
 
 
 def open_pair(tmp_path, numel=1000, dtype=torch.float32):
@@ -167,45 +168,6 @@ def test_a_central_learner_packs_its_push_into_the_lane(tmp_path):
     exchange.fill_push(message := Message(Kind.PUSH, 1))
     assert slots[-1] == vectors.state_numel + 2 and message.flags
     assert message.payload.numel() == slots[-1] and message.payload[-2:].tolist() == [1.0, 0.0]
-
-
-class ThreadRanks:
-    """The two collectives `open_lanes` calls, played by threads (one per rank) and a barrier."""
-
-    def __init__(self, world: int) -> None:
-        self.world, self.barrier, self.local = world, threading.Barrier(world, timeout=30), threading.local()
-        self.table: list = [None] * world
-
-    def get_world_size(self, group=None) -> int:
-        return self.world
-
-    def all_gather(self, out: list, tensor, group=None) -> None:
-        self.table[self.local.rank] = tensor.clone()
-        self.barrier.wait()
-        for i, t in enumerate(self.table):
-            out[i].copy_(t)
-        self.barrier.wait()
-
-    def broadcast(self, tensor, src: int, group=None) -> None:
-        if self.local.rank == src:
-            self.table[src] = tensor.clone()
-        self.barrier.wait()
-        tensor.copy_(self.table[src])
-        self.barrier.wait()
-
-    def run(self, fn) -> list:
-        results: list = [None] * self.world
-
-        def one(rank: int) -> None:
-            self.local.rank = rank
-            results[rank] = fn(rank)
-
-        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        return results
 
 
 @pytest.mark.parametrize("all_or_none", [False, True])

@@ -1,13 +1,17 @@
 """Which server path ``server="auto"`` picks, and the refusals of a forced path: the rule of
-`engine.distributed.ranks.choose_path`, measured by benchmarks/scaling.py (README, "Scaling")."""
+`engine.distributed.ranks.choose_path`, measured by benchmarks/scaling.py (README, "Scaling"),
+and `settle_path`, which asks every rank's shared memory first where the answer decides."""
 
 import pytest
+from torch import nn
 
+from lightning_stale.engine.distributed import lanes, ranks
 from lightning_stale.engine.distributed.ranks import (CROWDED_HOST_COLLECTIVE_MIN_NUMEL, ONE_HOST_COLLECTIVE_MIN_NUMEL,
                                                       ONE_HOST_SHARDED_MIN_P, SCALE_MIN_NUMEL, SHARDED_MIN_TRAFFIC,
-                                                      central_if_memory_is_shared, choose_path)
+                                                      central_if_memory_is_shared, choose_path, settle_path)
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
+from thread_ranks import ThreadRanks
 
 
 def auto(name, p, numel, k=None, failure="stop", compensation=None, clips=False, nodes=2, cores=None,
@@ -111,3 +115,35 @@ def test_a_forced_path_that_cannot_run_the_options_is_refused_naming_the_alterna
     variant = Variant.create(name, 4, 2 if name.startswith("k_") else None)
     with pytest.raises(ValueError, match=match):
         choose_path(path, variant, 10, failure, None)
+
+
+@pytest.mark.parametrize("cores, width, learner_without_memory, expected", [
+    (8, 600, None, "central"),  # 0.36M values: central where every learner shares memory
+    (8, 600, 2, "collective"),  # learner 2 cannot (a full /dev/shm): collective, on every rank
+    (2, 1600, None, "central"),  # 2.6M values, 3 learners on 2 cores
+    (8, 1600, None, "collective"),  # the same with a core each: nothing to ask
+    (None, 600, None, "collective"),  # GPUs: nothing to ask
+])
+def test_every_rank_settles_on_the_same_path_and_the_central_one_takes_the_lanes_opened_to_decide(
+        monkeypatch, cores, width, learner_without_memory, expected):
+    world = ThreadRanks(3)
+    monkeypatch.setattr(lanes, "dist", world)
+    monkeypatch.setattr(ranks.os, "cpu_count", lambda: cores)
+    create = lanes.LaneFile.create.__func__
+
+    def create_unless_without(cls, directory, slot_bytes):
+        if world.local.rank == learner_without_memory:
+            raise OSError(28, "No space left on device")
+        return create(cls, directory, slot_bytes)
+
+    monkeypatch.setattr(lanes.LaneFile, "create", classmethod(create_unless_without))
+    variant = Variant.create("sync", 3)
+    settled = world.run(lambda rank: settle_path("auto", variant, nn.Linear(width, width), None, rank, "stop",
+                                                 None, nodes=1, shared_memory=True, cpu=cores is not None))
+    assert [path for path, _ in settled] == [expected] * 3
+    asked = cores == 2 or width == 600 and cores is not None
+    assert world.calls == [2 if asked else 0] * 3  # the lanes' all-gather and broadcast, or nothing
+    if expected == "central":  # rank 0 holds a lane pair to each learner, each learner one to it
+        assert sorted(settled[0][1]) == [1, 2] and [sorted(settled[r][1]) for r in (1, 2)] == [[0], [0]]
+    else:
+        assert all(held is None for _, held in settled)
