@@ -183,13 +183,13 @@ class CollectiveExchange:
             return
         if message.kind not in (Kind.PARAMS, Kind.STOP):
             return
-        k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
         if self._pending and self._pending[0] is None:
             self._check_round(message.payload)
             largest = self._largest_integers([], self._own_integers)
             reduced, recycled = self.overlap.result(), []
             self.overlapped_updates += 1
         else:
+            k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
             taken, stale = self._pending[:mine], self._pending[mine:]
             largest = self._largest_integers(taken)  # before the sum overwrites the first of them
             reduced, recycled = self._reduce(taken, k), taken[1:] + stale
