@@ -31,16 +31,15 @@ import math
 from pathlib import Path
 
 import torch
-from pytorch_lightning import LightningModule, Trainer, seed_everything
+from pytorch_lightning import LightningModule, seed_everything
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from _common import (StepTimer, base_parser, is_rank_zero, rank_print, run_per_device_count, table,
-                     trainer_kwargs, write_results)
+from _common import base_parser, is_rank_zero, run_per_device_count, table, write_results
 from lightning_stale.models import ResNet
 from overhead_vs_ddp import k_of
-from scaling import RecordTimes, add_run_arguments, chosen, rate_of, strategy_for, summarise
+from scaling import add_run_arguments, chosen, summarise, time_fit
 
 BATCH = 16
 STEPS = {"resnet": 30, "transformer": 30}
@@ -108,20 +107,10 @@ def run_launch(args) -> None:
                 seed_everything(args.seed, verbose=False)
                 module, data = build(model)
                 loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
-                timer, records = StepTimer(warmup=args.warmup), RecordTimes()
                 k = k_of(mode, p) if mode != "ddp" else None
-                trainer = Trainer(devices=p, strategy=strategy_for(mode, k, path, args.seed), max_steps=steps,
-                                  callbacks=[timer if mode == "ddp" else records], **trainer_kwargs())
-                trainer.fit(module, train_dataloaders=loader)
-                if not is_rank_zero():
-                    continue
-                interval, sps, ran = rate_of(mode, path, trainer, timer, records, args.warmup, p * BATCH)
-                parameters = sum(t.numel() for t in module.parameters())
-                rows.append({"devices": p, "size": model, "parameters": parameters, "mode": mode, "k": k,
-                             "requested": path, "path": ran, "repeat": repeat,
-                             "ms_per_update": 1e3 * interval, "samples_per_s": sps})
-                rank_print(f"P={p} {model:11s} {mode:14s} {path:16s} ({ran:15s}): {1e3 * interval:8.2f} "
-                           f"ms/update {sps:9.0f} samples/s")
+                row = time_fit(mode, k, path, module, loader, steps, args, batch=BATCH, label=model)
+                if row is not None:
+                    rows.append(dict(row, repeat=repeat))
     if is_rank_zero():
         Path(args.child_result).write_text(json.dumps(rows))
 

@@ -122,11 +122,6 @@ def add_run_arguments(parser, repeats: int) -> None:
                         help="runs to keep: ddp, a variant (its 'auto' path) or variant:path")
 
 
-def parameters(hidden: tuple[int, ...]) -> int:
-    widths = [64, *hidden, 10]
-    return sum(a * b + b for a, b in zip(widths, widths[1:]))
-
-
 def run_launch(args) -> None:
     p = args.child_devices
     rows = []
@@ -139,20 +134,29 @@ def run_launch(args) -> None:
                 seed_everything(args.seed, verbose=False)
                 model = MLPClassifier(features=64, hidden=SIZES[size], classes=10, lr=0.01)
                 loader = classification_loader(32 * p * (steps + 20) * 2, batch_size=32, seed=args.seed)
-                timer, records = StepTimer(warmup=args.warmup), RecordTimes()
-                trainer = Trainer(devices=p, strategy=strategy_for(mode, k, path, args.seed), max_steps=steps,
-                                  callbacks=[timer if mode == "ddp" else records], **trainer_kwargs())
-                trainer.fit(model, train_dataloaders=loader)
-                if not is_rank_zero():
-                    continue
-                interval, sps, ran = rate_of(mode, path, trainer, timer, records, args.warmup, p * 32)
-                rows.append({"devices": p, "size": size, "parameters": parameters(SIZES[size]),
-                             "mode": mode, "k": k, "requested": path, "path": ran, "repeat": repeat,
-                             "ms_per_update": 1e3 * interval, "samples_per_s": sps})
-                rank_print(f"P={p} {size:>5} {mode:14s} {path:8s} ({ran:10s}): {1e3 * interval:8.2f} ms/update "
-                           f"{sps:9.0f} samples/s")
+                row = time_fit(mode, k, path, model, loader, steps, args, batch=32, label=size)
+                if row is not None:
+                    rows.append(dict(row, repeat=repeat))
     if is_rank_zero():
         Path(args.child_result).write_text(json.dumps(rows))
+
+
+def time_fit(mode: str, k: int | None, path: str, module, loader, steps: int, args, batch: int,
+             label: str) -> dict | None:
+    """Fit ``module`` (``label``: its size or name) for ``steps`` updates under ``mode`` on
+    ``path`` and, on rank 0, its row (the run printed); None on the other ranks."""
+    p = args.child_devices
+    timer, records = StepTimer(warmup=args.warmup), RecordTimes()
+    trainer = Trainer(devices=p, strategy=strategy_for(mode, k, path, args.seed), max_steps=steps,
+                      callbacks=[timer if mode == "ddp" else records], **trainer_kwargs())
+    trainer.fit(module, train_dataloaders=loader)
+    if not is_rank_zero():
+        return None
+    interval, sps, ran = rate_of(mode, path, trainer, timer, records, args.warmup, p * batch)
+    rank_print(f"P={p} {label:>11} {mode:14s} {path:16s} ({ran:15s}): {1e3 * interval:8.2f} "
+               f"ms/update {sps:9.0f} samples/s")
+    return {"devices": p, "size": label, "parameters": sum(t.numel() for t in module.parameters()),
+            "mode": mode, "k": k, "requested": path, "path": ran, "ms_per_update": 1e3 * interval, "samples_per_s": sps}
 
 
 def summarise(rows: list[dict]) -> list[dict]:
