@@ -76,9 +76,10 @@ class ModelVectors:
         return self.state_numel + len(self.params)
 
     # ------------------------------------------------------------------ learner side
-    def state_vector(self) -> Tensor:
-        """Parameters then buffers, one contiguous CPU vector."""
-        return self._flatten(self.params + self.buffers)
+    def state_vector(self, out: Tensor | None = None) -> Tensor:
+        """Parameters then buffers, one contiguous CPU vector (written into ``out``, if given: a
+        vector of `state_numel` values of `dtype`)."""
+        return self._flatten(self.params + self.buffers, out)
 
     def load_state(self, flat: Tensor) -> None:
         """Load a `state_vector` into the module's parameters and buffers."""
@@ -141,9 +142,11 @@ class ModelVectors:
         present = flat[self.state_numel:].bool() if masked else None
         return Contribution(gradient, buffers, present)
 
-    def _flatten(self, tensors: Sequence[Tensor]) -> Tensor:
-        parts = [t.detach().reshape(-1).to(self.dtype) for t in tensors]
-        return torch.cat([t.cpu() for t in parts]) if parts else torch.zeros(0, dtype=self.dtype)
+    def _flatten(self, tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+        parts = [t.detach().reshape(-1).to(self.dtype).cpu() for t in tensors]
+        if out is not None:
+            return torch.cat(parts, out=out) if parts else out
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
 
     @staticmethod
     def _split(flat: Tensor, sizes: list[int], total: int) -> list[Tensor]:
@@ -270,6 +273,10 @@ class ServerState:
         self._combine_buffers(contributions)
         self._snapshot = None
         self.schedules.after_update(update_index)
+
+    def has_snapshot(self, version: int) -> bool:
+        """Whether `snapshot` of ``version`` is made already."""
+        return self._snapshot is not None and self._snapshot[0] == version
 
     def snapshot(self, version: int) -> Tensor:
         """The current parameters and buffers, those of ``version``, as one flat CPU vector;

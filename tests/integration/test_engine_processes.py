@@ -152,6 +152,7 @@ def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(tra
         assert run["lanes"] == [False, True] and run["through_lanes"] == [1, 1]
     else:
         assert run["lanes"] is None and run["through_lanes"] == []
+    assert run["placed"] == (transport == "lanes")  # the stop's payload, written in its slot
     pushes, bye = run["received"][:2], run["received"][2]
     assert [(m["kind"], m["learner"], m["samples"], m["loss"]) for m in pushes] == [(1, 1, 8, 0.5), (1, 1, 9, 0.25)]
     assert pushes[1]["numel"] > pushes[0]["numel"] and all(m["payload_ok"] for m in pushes)

@@ -192,3 +192,75 @@ def test_lanes_open_for_every_learner_that_can_have_them_or_with_all_or_none_for
         got[0][r][0].write(torch.full((3,), -float(r)), never)
         assert torch.equal(got[r][0][1].read(3, torch.float32), torch.full((3,), -float(r)))
     assert os.listdir(tmp_path) == []  # nothing left behind either way
+
+
+class Loopback:
+    """Point-to-point sends between the threads of one process, for endpoints of two ranks: what
+    is sent to a rank waits in a queue per (rank, tag) until that rank receives it."""
+
+    def __init__(self):
+        self.queues = {}
+
+    def _queue(self, rank, tag):
+        import queue
+
+        return self.queues.setdefault((rank, tag), queue.Queue())
+
+    def send(self, tensor, dst, group=None, tag=0):
+        self._queue(dst, tag).put(tensor.clone())
+
+    def recv(self, tensor, src, group=None, tag=0):
+        got = self._queue(1 - src, tag).get()
+        tensor[:got.numel()].copy_(got)
+
+
+def test_the_server_writes_an_answer_straight_into_a_free_slot_and_never_waits_for_one(tmp_path, monkeypatch):
+    """`ServerEndpoint.place_for`: the learner's next slot while it is free and the learner's
+    sender has nothing queued (else None at once), sent from there with no copy."""
+    from lightning_stale.engine.distributed import transport
+    from lightning_stale.engine.distributed.transport import DOWN, UP, ServerEndpoint
+
+    n = 100_000  # over a frame's inline payload
+    learner, server = open_pair(tmp_path, n)
+    wire = Loopback()
+    monkeypatch.setattr(transport, "dist", wire)
+    endpoint = ServerEndpoint(None, 2, lambda message: None, None, n, lanes={1: (server.down, server.up)})
+    lane = server.down
+    copied = threading.Event()  # a payload from elsewhere is copied into its slot, after a wait
+    wait_free = lane._wait_free
+    lane._wait_free = lambda closed: (copied.set(), wait_free(closed))
+
+    def sent(count):  # the sender has handled every message so far
+        deadline = time.monotonic() + 10
+        while wire._queue(1, DOWN).qsize() < count or endpoint._queued[1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+    assert endpoint.place_for(1, 10, torch.float32) is None  # travels inside its frame
+    assert endpoint.place_for(0, n, torch.float32) is None  # rank 0's learner: a queue, no lane
+    for i in range(SLOTS):  # the learner reads nothing yet
+        place = endpoint.place_for(1, n, torch.float32)
+        assert place is not None and place.data_ptr() == lane._slots[i].data_ptr()
+        place.copy_(torch.full((n,), float(i)))
+        endpoint.send(1, Message(Kind.PARAMS, 1, version=i, payload=place))
+        sent(i + 1)
+    assert not copied.is_set() and int(lane.control[1]) == SLOTS
+    assert endpoint.place_for(1, n, torch.float32) is None  # slot 0 unread: no wait, no place
+    assert torch.equal(learner.down.read(n, torch.float32), torch.zeros(n))
+    place = endpoint.place_for(1, n, torch.float32)
+    assert place is not None and place.data_ptr() == lane._slots[0].data_ptr()
+
+    # A message queued before is sent first, into that slot: nothing may be placed until it left.
+    hold = threading.Event()
+    lane._wait_free = lambda closed: (copied.set(), hold.wait(10), wait_free(closed))
+    endpoint.send(1, Message(Kind.PARAMS, 1, version=5, payload=torch.full((n,), 5.0)))
+    assert copied.wait(10)
+    assert endpoint.place_for(1, n, torch.float32) is None  # (the slot is free, the sender busy)
+    hold.set()
+    sent(SLOTS + 1)
+    assert endpoint.place_for(1, n, torch.float32) is None  # slot 1 unread
+    assert [float(learner.down.read(n, torch.float32)[0]) for _ in range(2)] == [1.0, 5.0]
+    assert endpoint.place_for(1, n, torch.float32).data_ptr() == lane._slots[1].data_ptr()
+    wire.send(encode(Message(Kind.BYE, 1))[0], dst=0, tag=UP)  # ends the receiving thread
+    endpoint.send(1, Message(Kind.STOP, 1))  # ends the sending thread
+    assert endpoint.join(10) == []

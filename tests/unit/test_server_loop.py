@@ -373,3 +373,34 @@ def _with_field(frame, name, value):
     index = [field for field, _ in HEADER].index(name)
     frame[index * 8:(index + 1) * 8] = torch.tensor([value], dtype=torch.int64).view(torch.uint8)
     return frame
+
+
+@pytest.mark.parametrize("name,k", [("async", None), ("k_async", 2)])
+def test_an_answer_to_one_learner_alone_is_written_where_its_endpoint_places_it(name, k):
+    """`CentralPayloads.place_for`: the parameters of an answer that refreshes one learner go
+    straight into the place its endpoint offers (a free slot of its lane); a version that goes
+    to several learners, or a learner offered no place, gets the shared snapshot."""
+    server, endpoint = make_server(name, k=k)
+    asked, places = [], {}
+
+    def place_for(learner, numel, dtype):
+        asked.append(learner)
+        if learner == 2:
+            return None  # its slot is still held
+        places[learner] = torch.full((numel,), float("nan"), dtype=dtype)
+        return places[learner]
+
+    server.payloads.place_for = place_for
+    push(server, 1, 0, value=1.0)
+    if k is None:
+        push(server, 2, 0, value=1.0)
+    push(server, 3, 0, value=3.0)
+    sent = {learner: m for learner, m in endpoint.take() if m.kind == Kind.PARAMS}
+    snapshot = server.core.state.snapshot(server.core.version)
+    if k is None:  # three updates, each answering its pusher alone
+        assert asked == [1, 2, 3] and sent[1].payload is places[1] and sent[3].payload is places[3]
+        assert torch.equal(sent[3].payload, snapshot) and torch.equal(sent[2].payload, -2 * torch.ones(3))
+        assert not torch.equal(sent[1].payload, sent[3].payload)  # each its own version's
+    else:  # one update answering learners 1 and 3 together: one snapshot, no place asked
+        assert asked == [] and sent[1].payload is sent[3].payload
+        assert torch.equal(sent[1].payload, snapshot)

@@ -63,17 +63,33 @@ class CentralPayloads:
     Every path's payloads offer the same hooks: what the core keeps of a push
     (`contribution`), what a message to a learner carries (`fill`), and what happens besides
     at an update, when schedulers are due, and at the stop (`on_update`, `on_schedule`,
-    `on_stop`; nothing here: the core's state does it all)."""
+    `on_stop`; nothing here: the core's state does it all).
 
-    def __init__(self, vectors: ModelVectors) -> None:
-        self.vectors = vectors
+    ``place_for`` (`ServerEndpoint.place_for`, set where the server has shared-memory lanes): an
+    answer that refreshes one learner alone (the async family's, mostly) is written straight into
+    that learner's next slot where it is free, instead of into a snapshot that the learner's
+    sending thread then copies there: one copy of the model fewer per answer, on the path that
+    sets the async family's pace (README, "Where each path's time goes"). Where a version goes
+    to several learners, they share one snapshot as before: its copies into their slots run on
+    their sending threads, beside the server's.
+    """
+
+    def __init__(self, vectors: ModelVectors,
+                 place_for: Callable[[int, int, torch.dtype], torch.Tensor | None] | None = None) -> None:
+        self.vectors, self.place_for = vectors, place_for
 
     def contribution(self, message: Message) -> Contribution:
         return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
 
     def fill(self, message: Message, core: ServerCore, decision: Decision | None) -> None:
-        if message.kind in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
-            message.payload = core.state.snapshot(core.version)
+        if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
+            return
+        state, version = core.state, core.version
+        place = None
+        alone = message.kind == Kind.PARAMS and decision is not None and len(decision.refresh) == 1
+        if alone and self.place_for is not None and not state.has_snapshot(version):
+            place = self.place_for(message.learner, state.vectors.state_numel, state.vectors.dtype)
+        message.payload = state.snapshot(version) if place is None else state.vectors.state_vector(out=place)
 
     def on_update(self, update, contributions, weights) -> None:
         pass

@@ -77,6 +77,13 @@ class Lane:
         self._wait_free(closed)
         return self._slots[self._written % SLOTS][:nbytes]
 
+    def reserve_now(self, nbytes: int) -> Tensor | None:
+        """`reserve` without the wait: the next slot's first ``nbytes``, or None while the reader
+        still holds it."""
+        if int(self.control[_READ]) < self._written - SLOTS + 1:
+            return None
+        return self._slots[self._written % SLOTS][:nbytes]
+
     def write(self, payload: Tensor, closed: Callable[[], str | None]) -> None:
         """Copy ``payload`` (flat, `carries` its size) into the next slot, waiting while the reader still
         holds it (``closed`` says why to give up waiting: the peer is gone), unless it was

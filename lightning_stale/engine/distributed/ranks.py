@@ -236,6 +236,8 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                                          vectors.max_push_numel(), owner.commands if owner else None, lanes)
         if isinstance(payloads, ShardedPayloads):
             payloads.send = server_endpoint.send
+        elif isinstance(payloads, CentralPayloads) and lanes:
+            payloads.place_for = server_endpoint.place_for
         endpoint = LearnerEndpoint(0, group, vectors.state_numel, local_server=server_endpoint)
         server.start(server_endpoint)
     else:

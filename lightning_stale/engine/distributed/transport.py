@@ -119,6 +119,9 @@ class ServerEndpoint:
         local_owner: the order queue of the shard owner on rank 0 (sharded path), if any.
         lanes: learner -> (lane to send on, lane to receive on), for the learners on this host
             (`lanes.open_lanes`); the others' payloads go over gloo.
+
+    Messages are sent from one thread (the server's), which may write a payload straight into
+    a learner's next slot (`place_for`).
     """
 
     def __init__(self, group, num_learners: int, deliver: Callable[[Message], None],
@@ -133,6 +136,9 @@ class ServerEndpoint:
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
         self._last_sent = {r: time.monotonic() for r in range(num_learners)}
         self._outboxes = {r: queue.Queue() for r in range(1, num_learners)}
+        # learner -> messages put in its outbox and not yet handled by its sender
+        self._queued = dict.fromkeys(self._outboxes, 0)
+        self._queued_lock = threading.Lock()
         self._closed: set[int] = set()  # learners that left, died or were told to stop
         self._threads = []
         for r in self._outboxes:
@@ -158,7 +164,23 @@ class ServerEndpoint:
             message.received_at = time.monotonic()
             (self.local_owner if message.kind in OWNER_KINDS else self.local_inbox).put(message)
         else:
+            with self._queued_lock:
+                self._queued[learner] += 1
             self._outboxes[learner].put(message)
+
+    def place_for(self, learner: int, numel: int, dtype: torch.dtype) -> Tensor | None:
+        """Where the next message's payload of ``numel`` values to ``learner`` can be written now,
+        so that it leaves without another copy: the next slot of its lane, when it has one, the
+        payload travels there, its sender has nothing queued (so that slot is the one the next
+        payload takes) and the learner has read what the slot held; else None, never a wait
+        (a learner frozen with a slot unread must not hold up the server). The message must be
+        the next one sent to ``learner``."""
+        lane = self._lanes.get(learner, (None, None))[0]
+        nbytes = numel * dtype.itemsize
+        if lane is None or not lane.carries(nbytes) or learner in self._closed or self._queued.get(learner):
+            return None
+        place = lane.reserve_now(nbytes)
+        return None if place is None else place.view(dtype)
 
     def heartbeat(self, interval: float) -> None:
         """Tell every remote learner that heard nothing for ``interval`` seconds that the server
@@ -229,6 +251,8 @@ class ServerEndpoint:
                     send(message, learner, self.group, (DOWN, DOWN_DATA), lane, closed)
                     if message.kind in _LAST:
                         return
+                with self._queued_lock:  # (after the sends: its lane's next slot is settled)
+                    self._queued[learner] -= len(pending)
         except LaneClosed:
             return  # its connection broke or it died: the receiving thread has reported it
         except Exception as exc:  # noqa: BLE001

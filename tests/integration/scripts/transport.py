@@ -1,7 +1,8 @@
 """Two processes, no Lightning: the server and learner endpoints over a real gloo group.
 
 Learner 1 pushes a small gradient (one frame), a large one (header, then payload) and says
-goodbye; the server answers with small parameters, then stop with large ones. The exchange runs
+goodbye; the server answers with small parameters, then stop with large ones (written straight
+into the learner's slot, where it has lanes). The exchange runs
 twice: over gloo alone, then with shared-memory lanes (large payloads in ``/dev/shm``). Rank 0
 writes what both sides received in each to ``<out>`` (JSON, by transport).
 """
@@ -42,9 +43,12 @@ def server(group, out: str, lanes: dict) -> None:
     time.sleep(HOLD)  # the answer is caused by the first push: its age covers the hold and more
     endpoint.send(1, Message(Kind.PARAMS, version=1, payload=SMALL.clone(), caused_at=received[0].received_at))
     received.append(events.get(timeout=60))  # goodbye
-    endpoint.send(1, Message(Kind.STOP, version=2, payload=LARGE.clone()))
+    # The stop's parameters written straight into the learner's next slot where it has a lane.
+    place = endpoint.place_for(1, LARGE.numel(), torch.float32)
+    payload = LARGE.clone() if place is None else place.copy_(LARGE)
+    endpoint.send(1, Message(Kind.STOP, version=2, payload=payload))
     left = endpoint.join(30.0)
-    return {"received": [describe(m) for m in received], "threads_left": left}
+    return {"received": [describe(m) for m in received], "threads_left": left, "placed": place is not None}
 
 
 def learner(group, out: str, lanes: dict) -> None:
