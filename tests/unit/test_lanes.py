@@ -232,7 +232,7 @@ def test_the_server_writes_an_answer_straight_into_a_free_slot_and_never_waits_f
 
     def sent(count):  # the sender has handled every message so far
         deadline = time.monotonic() + 10
-        while wire._queue(1, DOWN).qsize() < count or endpoint._queued[1]:
+        while wire._queue(1, DOWN).qsize() < count or endpoint._outboxes[1].unfinished_tasks:
             assert time.monotonic() < deadline
             time.sleep(0.001)
 

@@ -80,14 +80,12 @@ class Lane:
     def reserve_now(self, nbytes: int) -> Tensor | None:
         """`reserve` without the wait: the next slot's first ``nbytes``, or None while the reader
         still holds it."""
-        if int(self.control[_READ]) < self._written - SLOTS + 1:
-            return None
-        return self._slots[self._written % SLOTS][:nbytes]
+        return self._slots[self._written % SLOTS][:nbytes] if self._next_free() else None
 
     def write(self, payload: Tensor, closed: Callable[[], str | None]) -> None:
         """Copy ``payload`` (flat, `carries` its size) into the next slot, waiting while the reader still
         holds it (``closed`` says why to give up waiting: the peer is gone), unless it was
-        filled there in place (`reserve`); the reader may then take it."""
+        filled there in place (`reserve`, `reserve_now`); the reader may then take it."""
         n = self._written
         slot = self._slots[n % SLOTS]
         if payload.data_ptr() != slot.data_ptr():
@@ -96,9 +94,12 @@ class Lane:
         self._written = n + 1
         self.control[_WRITTEN] = n + 1
 
+    def _next_free(self) -> bool:
+        """Whether the reader has read what the next slot held (message written - SLOTS)."""
+        return int(self.control[_READ]) >= self._written - SLOTS + 1
+
     def _wait_free(self, closed: Callable[[], str | None]) -> None:
-        n = self._written
-        while int(self.control[_READ]) < n - SLOTS + 1:
+        while not self._next_free():
             reason = closed()
             if reason:
                 raise LaneClosed(reason)

@@ -135,10 +135,8 @@ class ServerEndpoint:
         # learner -> (pushes received, time.monotonic() of the latest), for `Message.hold`
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
         self._last_sent = {r: time.monotonic() for r in range(num_learners)}
+        # (a sender marks each message done once sent: `place_for` reads what is left to send)
         self._outboxes = {r: queue.Queue() for r in range(1, num_learners)}
-        # learner -> messages put in its outbox and not yet handled by its sender
-        self._queued = dict.fromkeys(self._outboxes, 0)
-        self._queued_lock = threading.Lock()
         self._closed: set[int] = set()  # learners that left, died or were told to stop
         self._threads = []
         for r in self._outboxes:
@@ -164,8 +162,6 @@ class ServerEndpoint:
             message.received_at = time.monotonic()
             (self.local_owner if message.kind in OWNER_KINDS else self.local_inbox).put(message)
         else:
-            with self._queued_lock:
-                self._queued[learner] += 1
             self._outboxes[learner].put(message)
 
     def place_for(self, learner: int, numel: int, dtype: torch.dtype) -> Tensor | None:
@@ -177,7 +173,9 @@ class ServerEndpoint:
         the next one sent to ``learner``."""
         lane = self._lanes.get(learner, (None, None))[0]
         nbytes = numel * dtype.itemsize
-        if lane is None or not lane.carries(nbytes) or learner in self._closed or self._queued.get(learner):
+        if lane is None or not lane.carries(nbytes) or learner in self._closed:
+            return None
+        if self._outboxes[learner].unfinished_tasks:  # put, and not yet sent
             return None
         place = lane.reserve_now(nbytes)
         return None if place is None else place.view(dtype)
@@ -251,8 +249,8 @@ class ServerEndpoint:
                     send(message, learner, self.group, (DOWN, DOWN_DATA), lane, closed)
                     if message.kind in _LAST:
                         return
-                with self._queued_lock:  # (after the sends: its lane's next slot is settled)
-                    self._queued[learner] -= len(pending)
+                for _ in pending:  # (after the sends: its lane's next slot is settled)
+                    outbox.task_done()
         except LaneClosed:
             return  # its connection broke or it died: the receiving thread has reported it
         except Exception as exc:  # noqa: BLE001

@@ -20,6 +20,7 @@ import user_modules as um  # noqa: E402
 from common import QUIET, on_every_rank, write_results  # noqa: E402
 from lightning_stale import StaleStrategy  # noqa: E402
 from lightning_stale.engine.core import ServerCore  # noqa: E402
+from lightning_stale.engine.distributed.transport import ServerEndpoint  # noqa: E402
 from lightning_stale.engine.state import ModelVectors, ServerState  # noqa: E402
 
 torch.set_num_threads(1)
@@ -47,6 +48,17 @@ def core_init(self, variant, state=None, *args, **kwargs):
 
 
 ServerCore.__init__ = core_init
+placed = []  # rank 0: answers the server wrote straight into a learner's slot
+_place_for = ServerEndpoint.place_for
+
+
+def counting_place_for(self, learner, numel, dtype):
+    place = _place_for(self, learner, numel, dtype)
+    placed.append(place is not None)
+    return place
+
+
+ServerEndpoint.place_for = counting_place_for
 
 
 class Books(pl.Callback):
@@ -302,6 +314,7 @@ for name, k, path in (("k_async", 1, "sharded"), ("sync", None, "collective")):
 # The central path with a module whose pushes and answers cross in shared memory (frozen backbone,
 # BatchNorm, AdamW with a warm-up), K-async on its default ('auto') path.
 pl.seed_everything(0)
+placed.clear()
 model, books = um.WideFrozenBatchNorm(), Books()
 frozen = {k: v.clone() for k, v in model.backbone.state_dict().items()}
 head = {k: v.clone() for k, v in model.net.state_dict().items()}
@@ -315,6 +328,7 @@ if trainer.global_rank == 0:
         "push_bytes": 4 * ModelVectors.of(model).max_push_numel(),
         "total_steps": model.total_steps, "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "configured_lr": model.hparams.lr, "stats": trainer.strategy.stats,
+        "placed_answers": sum(placed),
     }
 
 # `sync` on the 'auto' path with a model that is central only where every learner shares memory
