@@ -264,3 +264,102 @@ def test_the_server_writes_an_answer_straight_into_a_free_slot_and_never_waits_f
     wire.send(encode(Message(Kind.BYE, 1))[0], dst=0, tag=UP)  # ends the receiving thread
     endpoint.send(1, Message(Kind.STOP, 1))  # ends the sending thread
     assert endpoint.join(10) == []
+
+
+def test_a_lent_payload_is_read_in_its_slot_and_frees_it_once_used_kept_or_released(tmp_path):
+    """`Lane.lend`: the payload stays in its slot (no copy) and holds it until used; the reader
+    copies it out when it takes the next payload, so the writer never waits on it for long."""
+    n = 1000
+    learner, server = open_pair(tmp_path, n)
+    lane = learner.down
+    server.down.write(torch.full((n,), 1.0), never)
+    first = Message(Kind.PARAMS, 1)
+    lane.lend(first, n, torch.float32)
+    assert first.payload.data_ptr() == lane._slots[0].data_ptr()  # in place: no copy
+    assert int(lane.control[2]) == 0  # and its slot still held
+    loaded = torch.zeros(n)
+    first.lent.use(loaded.copy_)
+    assert torch.equal(loaded, torch.full((n,), 1.0)) and int(lane.control[2]) == 1
+    first.lent.use(loaded.copy_)  # (a second use gives nothing back twice)
+    assert int(lane.control[2]) == 1
+
+    # One left unused (deferred over a pause) is copied out when the next one is taken.
+    server.down.write(torch.full((n,), 2.0), never)
+    second = Message(Kind.PARAMS, 1)
+    lane.lend(second, n, torch.float32)
+    server.down.write(torch.full((n,), 3.0), never)
+    assert torch.equal(lane.read(n, torch.float32), torch.full((n,), 3.0))
+    assert second.payload.data_ptr() != lane._slots[1].data_ptr() and int(lane.control[2]) == 3
+    server.down.write(torch.full((n,), 9.0), never)  # into the slot the second one had
+    second.lent.use(loaded.copy_)
+    assert torch.equal(loaded, torch.full((n,), 2.0))
+
+    # Parameters the learner holds already are released: the slot is free, nothing points there.
+    third = Message(Kind.PARAMS, 1)
+    lane.lend(third, n, torch.float32)
+    third.lent.release()
+    assert third.payload is None and int(lane.control[2]) == 4
+    with pytest.raises(RuntimeError, match="given back twice"):
+        lane.give_back()
+
+
+def test_a_lent_payload_is_never_copied_out_while_it_is_being_loaded(tmp_path):
+    """The receiving thread's copy (`keep`) waits for a load in progress, and then has nothing
+    to do: the load freed the slot."""
+    n = 1000
+    learner, server = open_pair(tmp_path, n)
+    server.down.write(torch.full((n,), 1.0), never)
+    message = Message(Kind.PARAMS, 1)
+    learner.down.lend(message, n, torch.float32)
+    loading, proceed, kept = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_load(payload):
+        loading.set()
+        assert proceed.wait(10)
+        assert torch.equal(payload, torch.full((n,), 1.0))
+
+    loader = threading.Thread(target=lambda: message.lent.use(slow_load), daemon=True)
+    loader.start()
+    assert loading.wait(10)
+    keeper = threading.Thread(target=lambda: (message.lent.keep(), kept.set()), daemon=True)
+    keeper.start()
+    assert not kept.wait(0.2)  # waits for the load
+    proceed.set()
+    assert kept.wait(10)
+    loader.join(10)
+    assert message.payload.data_ptr() == learner.down._slots[0].data_ptr()  # loaded, not copied
+    assert int(learner.down.control[2]) == 1
+
+
+def test_a_learner_loads_the_servers_parameters_straight_from_its_slot(tmp_path, monkeypatch):
+    """`LearnerEndpoint` lends the parameters and the stop (an epoch's parameters, kept for
+    validation, are copied out), and `CentralExchange.take` loads them from the slot."""
+    from lightning_stale.engine.distributed import transport
+    from lightning_stale.engine.distributed.central import CentralExchange
+    from lightning_stale.engine.distributed.transport import LearnerEndpoint
+    from lightning_stale.engine.state import ModelVectors
+
+    layer = torch.nn.Linear(300, 400)  # 120,400 values: over a frame's inline payload
+    vectors = ModelVectors.of(layer)
+    n = vectors.state_numel
+    learner, server = open_pair(tmp_path, n)
+    wire = Loopback()
+    monkeypatch.setattr(transport, "dist", wire)
+    endpoint = LearnerEndpoint(1, None, n, lanes=(learner.up, learner.down))
+
+    def answer(kind, value):
+        transport.send(Message(kind, 1, version=int(value), payload=torch.full((n,), value)), 1, None,
+                       (transport.DOWN, transport.DOWN_DATA), server.down)
+        return endpoint.inbox.get(timeout=10)
+
+    params = answer(Kind.PARAMS, 3.0)
+    assert params.lent is not None and params.payload.data_ptr() == learner.down._slots[0].data_ptr()
+    CentralExchange(vectors).take(params)
+    assert float(layer.weight.detach()[0, 0]) == 3.0 and params.lent.settled
+    epoch = answer(Kind.EPOCH, 4.0)
+    assert epoch.lent is None and epoch.payload.data_ptr() != learner.down._slots[1].data_ptr()
+    stop = answer(Kind.STOP, 5.0)
+    assert stop.lent is not None
+    CentralExchange(vectors).take(stop)
+    assert float(layer.bias.detach()[-1]) == 5.0 and torch.equal(epoch.payload, torch.full((n,), 4.0))
+    assert endpoint.join(10)

@@ -416,3 +416,41 @@ def test_abort_tells_the_server_why():
     (message,) = endpoint.pushed
     assert message.kind == Kind.ABORT and message.flags == Flag.INTERRUPTED
     assert bytes(message.payload.tolist()).decode() == "SIGINT on rank 1"
+
+
+def test_parameters_lent_from_shared_memory_are_loaded_released_or_kept_across_a_pause(tmp_path):
+    """Answers whose payload is still in its shared-memory slot (`lanes.LentPayload`): new
+    parameters are loaded from the slot, parameters already held free it unread, and ones
+    deferred over a pause survive the slot being written again (the receiving thread copies
+    them out before it takes the next payload)."""
+    from lightning_stale.engine.distributed.lanes import LaneFile, slot_bytes_for
+
+    lanes, _ = LaneFile.create(str(tmp_path), slot_bytes_for(2, torch.float32))
+    lane = lanes.down
+    learner, endpoint, module = make_learner()
+
+    def arrive(kind, version, values):  # the server writes the slot; the receiving thread lends it
+        lane.write(torch.tensor(values), lambda: None)
+        message = Message(kind, version=version)
+        lane.lend(message, 2, torch.float32)
+        endpoint.inbox.put(message)
+        return message
+
+    endpoint.answer = None
+    same = arrive(Kind.PARAMS, 0, [9.0, 9.0])  # the version held already
+    learner._absorb(learner._drain())
+    assert same.payload is None and same.lent.settled and int(lane.control[2]) == 1
+    fresh = arrive(Kind.PARAMS, 1, [1.0, 2.0])
+    learner._absorb(learner._drain())
+    assert fresh.lent.settled and fresh.payload.data_ptr() == lane._slots[1].data_ptr()  # no copy
+    assert module.weight.tolist() == [[1.0, 2.0]] and int(lane.control[2]) == 2  # both slots free
+
+    endpoint.inbox.put(epoch_end())
+    step(learner)
+    assert learner.paused
+    deferred = arrive(Kind.PARAMS, 3, [2.0, 2.0])
+    assert not learner.stop_heard() and not deferred.lent.settled  # looked at, held over the pause
+    arrive(Kind.CONTINUE, 3, [0.0, 0.0]).lent.release()  # the next payload: the deferred one is copied out
+    lane.write(torch.tensor([7.0, 7.0]), lambda: None)  # into the slot it was lent from
+    learner.resume()
+    assert learner.version == 3 and module.weight.tolist() == [[2.0, 2.0]]

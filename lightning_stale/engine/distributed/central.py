@@ -47,7 +47,9 @@ class CentralExchange:
         """Complete a message's parameters, where they come in parts."""
 
     def take(self, message: Message) -> None:
-        if message.payload is not None:
+        if message.lent is not None:  # still in its shared-memory slot: loaded from there
+            message.lent.use(self.vectors.load_state)
+        elif message.payload is not None:
             self.vectors.load_state(message.payload)
 
     def close(self, timeout: float) -> list[str]:

@@ -19,7 +19,9 @@ cannot be made (no ``/dev/shm``, too little space) that learner talks over gloo.
 Each lane has one writing thread (a learner's pushes are serialised; the server has one sender
 per learner) and one reading thread, and `SLOTS` slots used in turn: slot n % SLOTS is free once
 the reader has read message n - SLOTS. Headers leave after the payload is written (a gloo send
-is a system call, so the reader sees the bytes), and the reader frees a slot after its copy.
+is a system call, so the reader sees the bytes), and the reader frees a slot after its copy, or, for a payload it
+borrows in place (`LentPayload`: the parameters a learner loads, with no copy out of the slot
+first), once it has been used or copied out.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
 from typing import Callable
 
@@ -63,7 +66,10 @@ class Lane:
         self.slot_bytes = slot_bytes
         self._slots = [storage[_CONTROL + i * slot_bytes:_CONTROL + (i + 1) * slot_bytes]
                        for i in range(SLOTS)]
-        self._written = self._read = 0  # this side's own count (one writer, one reader)
+        # this side's own counts (one writer, one reader): payloads written; taken and freed
+        # (they differ while the reader borrows a payload in place: `read` with ``lend``)
+        self._written = self._taken = self._read = 0
+        self._lent: LentPayload | None = None  # the payload `lend` gave out last
 
     def carries(self, nbytes: int) -> bool:
         """Whether a payload of ``nbytes`` travels here: too large for its header's frame (which
@@ -108,16 +114,82 @@ class Lane:
     def read(self, numel: int, dtype: torch.dtype) -> Tensor:
         """The next payload written (the header announcing it has arrived), copied out; its slot
         is free again."""
-        n = self._read
+        held = self._take(numel, dtype)
+        out = torch.empty(numel, dtype=dtype)
+        out.copy_(held)
+        self.give_back()
+        return out
+
+    def lend(self, message, numel: int, dtype: torch.dtype) -> None:
+        """Set ``message.payload`` to the next payload in place, in its slot, and
+        ``message.lent`` to the `LentPayload` that frees the slot once it is used."""
+        message.payload = self._take(numel, dtype)
+        message.lent = self._lent = LentPayload(self, message)
+
+    def _take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        if self._lent is not None:  # still unused: copied out, so that its slot is free
+            self._lent.keep()
+            self._lent = None
+        n = self._taken
         if n >= int(self.control[_WRITTEN]) or numel * dtype.itemsize > self.slot_bytes:
             raise RuntimeError(f"a header announced payload {n} of {numel} values in shared memory, "
                                f"which holds {int(self.control[_WRITTEN])} payloads of at most "
                                f"{self.slot_bytes} bytes")
-        out = torch.empty(numel, dtype=dtype)
-        out.copy_(self._slots[n % SLOTS][:numel * dtype.itemsize].view(dtype))
-        self._read = n + 1
-        self.control[_READ] = n + 1
-        return out
+        self._taken = n + 1
+        return self._slots[n % SLOTS][:numel * dtype.itemsize].view(dtype)
+
+    def give_back(self) -> None:
+        """The payload taken last is no longer used: its slot is free for the writer."""
+        if self._read == self._taken:
+            raise RuntimeError("a lane's slot was given back twice")
+        self._read += 1
+        self.control[_READ] = self._read
+
+
+class LentPayload:
+    """A message's payload borrowed in place from a lane's slot (`Lane.lend`).
+
+    A learner loads the server's parameters straight out of the slot (`use`), where the receiving
+    thread would otherwise copy them out first: one copy of the model fewer per answer on the
+    learner's round trip (README, "Where each path's time goes"). The slot is the writer's again
+    once the payload was used, or copied out (`keep`): the reader keeps a payload still unused
+    when it takes the next one (`Lane.read`, `Lane.lend`), because the server's sender may soon
+    need its slot (a payload held for later, like parameters deferred over a pause, must not
+    block the server).
+    One lock orders the two, so a payload is never copied out while it is being loaded, nor
+    loaded from a slot given back.
+    """
+
+    def __init__(self, lane: Lane, message) -> None:
+        self._lane, self._message = lane, message
+        self._lock = threading.Lock()
+        self.settled = False  # used, or copied out: the slot was given back
+
+    def use(self, consume: Callable[[Tensor], None]) -> None:
+        """``consume(payload)``, then the slot is free (a payload kept before: its copy)."""
+        with self._lock:
+            consume(self._message.payload)
+            self._settle()
+
+    def keep(self) -> None:
+        """Copy the payload out of the slot (unless it was used or kept already), freeing it."""
+        with self._lock:
+            if not self.settled:
+                self._message.payload = self._message.payload.clone()
+                self._settle()
+
+    def release(self) -> None:
+        """The payload will not be used (parameters the learner holds already): its slot is
+        free, and the message no longer points into it."""
+        with self._lock:
+            if not self.settled:
+                self._message.payload = None
+                self._settle()
+
+    def _settle(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self._lane.give_back()
 
 
 def lane_bytes(slot_bytes: int) -> int:

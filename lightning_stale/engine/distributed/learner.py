@@ -226,6 +226,8 @@ class Learner:
                 self.version = m.version
                 if m.payload is not None:
                     self._own_state = None  # what was saved for after validation is superseded
+            elif m.lent is not None:
+                m.lent.release()  # parameters already held: nothing to load, its slot is free
             events.refreshed |= m.kind == Kind.PARAMS
             events.answered |= m.kind == Kind.CONTINUE
             if m.kind == Kind.STOP:

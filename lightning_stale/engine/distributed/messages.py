@@ -112,6 +112,8 @@ class Message:
             as the payload); PUSH with UNUSABLE: the drop reason.
         caused_at: server side: ``time.monotonic()`` of the arrival ``age`` counts from.
         received_at: ``time.monotonic()`` when the receiving side got it.
+        lent: the payload is still in the sender's shared-memory slot (`lanes.LentPayload`):
+            read it through ``lent.use``, or ``lent.keep`` it first; None: the payload is owned.
     """
 
     kind: Kind
@@ -132,6 +134,7 @@ class Message:
     error: str = ""
     caused_at: float = 0.0
     received_at: float = 0.0
+    lent: object | None = None
 
 
 def encode_header(message: Message, payload: Tensor | None, inline: int) -> bytes:

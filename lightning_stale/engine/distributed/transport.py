@@ -87,9 +87,10 @@ def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | 
 
 
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
-         buffer: Tensor | None = None, lane: Lane | None = None) -> Message:
+         buffer: Tensor | None = None, lane: Lane | None = None, lend: tuple[Kind, ...] = ()) -> Message:
     """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop;
-    ``lane``: the sender's shared-memory lane to this process, if any."""
+    ``lane``: the sender's shared-memory lane to this process, if any; messages of the kinds in
+    ``lend`` keep their payload there (`Lane.lend`)."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
     dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
     message, numel, dtype, where = decode(frame, sender, max_numel)
@@ -97,7 +98,10 @@ def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
         if lane is None:
             raise TransportError(f"{sender} sent a payload through shared memory, which this "
                                  "process does not share with it")
-        message.payload = lane.read(numel, dtype)
+        if message.kind in lend:
+            lane.lend(message, numel, dtype)
+        else:
+            message.payload = lane.read(numel, dtype)
     elif numel and where == SEPARATE:
         message.payload = torch.empty(numel, dtype=dtype)
         dist.recv(message.payload, src=src, group=group, tag=tags[1])
@@ -332,8 +336,10 @@ class LearnerEndpoint:
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         try:
             while True:
+                # Parameters and the stop are loaded straight out of their slot (`LentPayload`);
+                # an epoch's parameters are kept for validation, so they are copied out.
                 message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self._max_numel, buffer,
-                               self._lanes[1])
+                               self._lanes[1], lend=(Kind.PARAMS, Kind.STOP))
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
                     message.error = self.failure = payload_text(message.payload)
