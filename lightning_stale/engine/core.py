@@ -175,6 +175,10 @@ class ServerCore:
         return Outcome(decision, decision.update, epoch_ended=epoch_ended, stopped=self.rules.stopped,
                        **(applied or {}))
 
+    def holds(self, contribution: Contribution) -> bool:
+        """Whether ``contribution`` waits among the accepted gradients for a later update."""
+        return any(g.contribution is contribution for g in self._pending.values())
+
     def pushes_fit_in_epoch(self, pushes: int) -> bool:
         """Whether the next ``pushes`` pushes will all be taken in this epoch, as far as is known
         now: training goes on (no stop), this push did not end the epoch, and the epoch has room

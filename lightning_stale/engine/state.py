@@ -40,6 +40,12 @@ class Contribution:
     buffers: Tensor | None = None
     present: Tensor | None = None  # bool, one per parameter tensor
 
+    def own(self) -> None:
+        """Copy what views a borrowed payload (a push still in its shared-memory slot)."""
+        self.gradient = self.gradient.clone()
+        self.buffers = None if self.buffers is None else self.buffers.clone()
+        self.present = None if self.present is None else self.present.clone()
+
 
 class ModelVectors:
     """Copies between a module and flat vectors (see the module docstring).

@@ -147,7 +147,8 @@ def test_frozen_backbone_on_the_scaled_paths(runs, path):
 def test_a_module_too_large_for_a_frame_trains_through_shared_memory(runs):
     """A frozen backbone, BatchNorm and AdamW with a warm-up on the central path, every push and
     answer of learner 1 crossing in shared memory (answers to it alone written there by the
-    server thread), the same parameters and buffers on every learner at each validation."""
+    server thread, its pushes read in their slot by the server and its answers loaded from
+    theirs), the same parameters and buffers on every learner at each validation."""
     from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES
 
     run = runs["wide@central"]
@@ -160,6 +161,7 @@ def test_a_module_too_large_for_a_frame_trains_through_shared_memory(runs):
     assert run["total_steps"] == stats["updates"] == 24 and run["lr"] == pytest.approx(run["configured_lr"])
     assert books_balance(stats) and min(stats["pushes_per_learner"]) > 0
     assert run["placed_answers"] > 0  # K = 1: answers written straight into learner 1's slot
+    assert run["lent_pushes"] > 0  # and its pushes read in theirs
 
 
 def test_auto_runs_a_mid_sized_sync_model_central_on_the_lanes_it_opened_to_decide(runs):

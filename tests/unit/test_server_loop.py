@@ -404,3 +404,56 @@ def test_an_answer_to_one_learner_alone_is_written_where_its_endpoint_places_it(
     else:  # one update answering learners 1 and 3 together: one snapshot, no place asked
         assert asked == [] and sent[1].payload is sent[3].payload
         assert torch.equal(sent[1].payload, snapshot)
+
+
+def lent_push(server, lane, learner, version, value):
+    """A push whose gradient the receiving thread hands over in its lane's slot."""
+    from lightning_stale.engine.distributed.lanes import Lane
+
+    assert isinstance(lane, Lane)
+    lane.write(torch.full((3,), value), lambda: None)
+    message = Message(Kind.PUSH, learner, version, samples=8, loss=1.0)
+    lane.lend(message, 3, torch.float32)
+    server._handle(message)
+    return message
+
+
+@pytest.mark.parametrize("name,k", [("async", None), ("k_async", 2)])
+def test_a_push_read_in_its_slot_frees_it_once_decided_and_one_kept_for_later_is_copied_out(tmp_path, name, k):
+    """`ServerEndpoint` ``lend_pushes``: the server decides a push straight from its shared-memory
+    slot and gives the slot back; a gradient that waits for others (K > 1) is copied out first,
+    so the learner's next push into that slot cannot change it."""
+    from lightning_stale.engine.distributed.lanes import LaneFile, slot_bytes_for
+
+    lanes, _ = LaneFile.create(str(tmp_path), slot_bytes_for(3, torch.float32))
+    lane = lanes.up
+    server, endpoint = make_server(name, k=k)
+    first = lent_push(server, lane, 1, 0, 1.0)
+    assert first.lent.settled and int(lane.control[2]) == 1  # the slot is free again
+    held = [g.contribution for g in server.core._pending.values()]
+    if k is None:  # decided at once: the update read the slot, nothing copied
+        assert held == [] and first.payload.data_ptr() == lane._slots[0].data_ptr()
+        assert server.core.state.params[0].tolist() == [[-1.0, -1.0, -1.0]]
+    else:  # waits for a second gradient: its own copy
+        (kept,) = held
+        assert kept.gradient.data_ptr() != lane._slots[0].data_ptr()
+        lane.write(torch.full((3,), 50.0), lambda: None)  # the learner's next pushes: the second
+        lane.write(torch.full((3,), 70.0), lambda: None)  # goes into the slot the first one left
+        other, _ = LaneFile.create(str(tmp_path), slot_bytes_for(3, torch.float32))
+        lent_push(server, other.up, 3, 0, 3.0)
+        assert server.core.state.params[0].tolist() == [[-2.0, -2.0, -2.0]]  # mean(1, 3), not 70
+
+
+def test_a_push_read_in_its_slot_during_an_epochs_end_is_copied_out_and_held(tmp_path):
+    from lightning_stale.engine.distributed.lanes import LaneFile, slot_bytes_for
+
+    lanes, _ = LaneFile.create(str(tmp_path), slot_bytes_for(3, torch.float32))
+    lane = lanes.up
+    server, endpoint = make_server("async", pushes_per_epoch=1)
+    lent_push(server, lane, 1, 0, 1.0)  # ends the epoch
+    late = lent_push(server, lane, 2, 0, 4.0)  # held over the pause
+    assert late.lent.settled and late.payload.data_ptr() != lane._slots[1].data_ptr()
+    for value in (90.0, 91.0):  # the learner's next pushes: the second into the slot it came in
+        lane.write(torch.full((3,), value), lambda: None)
+    server._handle(("resume", {}))
+    assert server.core.state.params[0].tolist() == [[-5.0, -5.0, -5.0]]  # 0 - 1 - 4

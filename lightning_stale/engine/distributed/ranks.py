@@ -232,8 +232,10 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         if resume is not None:
             core.load_state_dict(resume)
         server = ParameterServer(core, payloads, options.on_learner_failure)
+        # (K = 1: every push is decided on arrival, so the server reads it in its slot)
         server_endpoint = ServerEndpoint(group, variant.p, server.events.put, queue.Queue(),
-                                         vectors.max_push_numel(), owner.commands if owner else None, lanes)
+                                         vectors.max_push_numel(), owner.commands if owner else None, lanes,
+                                         lend_pushes=lambda: core.rules.k == 1)
         if isinstance(payloads, ShardedPayloads):
             payloads.send = server_endpoint.send
         elif isinstance(payloads, CentralPayloads) and lanes:

@@ -144,7 +144,13 @@ class ParameterServer:
         elif event.kind == Kind.PUSH and self._paused:
             # Nothing changes while paused (validation and checkpoints see the epoch's end, and
             # the epoch's schedulers step before the next epoch's first update, as under DDP).
+            if event.lent is not None:
+                event.lent.keep()  # out of its slot: the learner's next push must not wait for it
             self._held.append(event)
+        elif event.kind == Kind.PUSH and event.lent is not None:
+            # Read in place in its shared-memory slot (`ServerEndpoint`, ``lend_pushes``), which
+            # is the learner's again once the push was decided.
+            event.lent.use(lambda payload: self._on_push(event))
         elif event.kind == Kind.PUSH:
             self._on_push(event)
         elif event.kind == Kind.BYE:
@@ -171,6 +177,9 @@ class ParameterServer:
             outcome = self.core.push(message.learner, message.version, self._cause,
                                      contribution=contribution, loss=message.loss,
                                      samples=message.samples, unusable=unusable)
+            if contribution is not None and message.lent is not None and not message.lent.settled \
+                    and self.core.holds(contribution):
+                contribution.own()  # (K > 1) it waits for other gradients: out of the slot
             self._answer(outcome)
 
     def _release_held(self) -> None:

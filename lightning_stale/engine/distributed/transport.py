@@ -123,6 +123,9 @@ class ServerEndpoint:
         local_owner: the order queue of the shard owner on rank 0 (sharded path), if any.
         lanes: learner -> (lane to send on, lane to receive on), for the learners on this host
             (`lanes.open_lanes`); the others' payloads go over gloo.
+        lend_pushes: whether a push arriving through a lane now is handed over in its slot
+            (`lanes.LentPayload`) instead of copied out: where every push is decided at once
+            (K = 1), the server reads the gradient there and the slot is free again after.
 
     Messages are sent from one thread (the server's), which may write a payload straight into
     a learner's next slot (`place_for`).
@@ -130,9 +133,10 @@ class ServerEndpoint:
 
     def __init__(self, group, num_learners: int, deliver: Callable[[Message], None],
                  local_inbox: queue.Queue, max_numel: int, local_owner: queue.Queue | None = None,
-                 lanes: dict[int, tuple[Lane, Lane]] | None = None) -> None:
+                 lanes: dict[int, tuple[Lane, Lane]] | None = None,
+                 lend_pushes: Callable[[], bool] = lambda: False) -> None:
         self.group, self.num_learners, self.deliver = group, num_learners, deliver
-        self._lanes = lanes or {}
+        self._lanes, self._lend_pushes = lanes or {}, lend_pushes
         self._gone: set[int] = set()  # learners forgotten or whose connection broke
         self.local_inbox, self.local_owner = local_inbox, local_owner
         self._max_numel = max(max_numel, MAX_REPORT_VALUES)
@@ -221,8 +225,9 @@ class ServerEndpoint:
         lane = self._lanes.get(learner, (None, None))[1]
         try:
             while True:
+                lend = (Kind.PUSH,) if lane is not None and self._lend_pushes() else ()
                 message = recv(self.group, (UP, UP_DATA), learner, f"learner {learner}",
-                               self._max_numel, buffer, lane)
+                               self._max_numel, buffer, lane, lend)
                 message.learner = learner
                 if message.kind in (Kind.ABORT, Kind.INTERRUPT):
                     message.error = payload_text(message.payload)

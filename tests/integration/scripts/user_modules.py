@@ -20,6 +20,8 @@ import user_modules as um  # noqa: E402
 from common import QUIET, on_every_rank, write_results  # noqa: E402
 from lightning_stale import StaleStrategy  # noqa: E402
 from lightning_stale.engine.core import ServerCore  # noqa: E402
+from lightning_stale.engine.distributed.lanes import Lane  # noqa: E402
+from lightning_stale.engine.distributed.messages import Kind  # noqa: E402
 from lightning_stale.engine.distributed.transport import ServerEndpoint  # noqa: E402
 from lightning_stale.engine.state import ModelVectors, ServerState  # noqa: E402
 
@@ -59,6 +61,16 @@ def counting_place_for(self, learner, numel, dtype):
 
 
 ServerEndpoint.place_for = counting_place_for
+lent = []  # rank 0: pushes the server read in their slot (`Lane.lend` there lends nothing else)
+_lend = Lane.lend
+
+
+def counting_lend(self, message, numel, dtype):
+    lent.append(message.kind)
+    _lend(self, message, numel, dtype)
+
+
+Lane.lend = counting_lend
 
 
 class Books(pl.Callback):
@@ -315,6 +327,7 @@ for name, k, path in (("k_async", 1, "sharded"), ("sync", None, "collective")):
 # BatchNorm, AdamW with a warm-up), K-async on its default ('auto') path.
 pl.seed_everything(0)
 placed.clear()
+lent.clear()
 model, books = um.WideFrozenBatchNorm(), Books()
 frozen = {k: v.clone() for k, v in model.backbone.state_dict().items()}
 head = {k: v.clone() for k, v in model.net.state_dict().items()}
@@ -328,7 +341,7 @@ if trainer.global_rank == 0:
         "push_bytes": 4 * ModelVectors.of(model).max_push_numel(),
         "total_steps": model.total_steps, "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "configured_lr": model.hparams.lr, "stats": trainer.strategy.stats,
-        "placed_answers": sum(placed),
+        "placed_answers": sum(placed), "lent_pushes": lent.count(Kind.PUSH),
     }
 
 # `sync` on the 'auto' path with a model that is central only where every learner shares memory
