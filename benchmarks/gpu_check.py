@@ -19,10 +19,13 @@ parameters, on its GPU.
 With one GPU (``--devices 1``, the default when one is visible) the learner on rank 0 talks to
 the server through in-process queues and every path is central, so only the device side is
 exercised; ``--devices 2`` or more (one GPU each) runs every path. NCCL refuses two ranks on one
-GPU, so more learners than GPUs is not possible here. ``--accelerator cpu`` runs the same checks
-on CPU processes (gloo default group), to try the script itself.
+GPU, so ``--learners-per-gpu 2`` puts two learner processes on each GPU with the default group on
+gloo instead (its all-reduce and broadcast take CUDA tensors, staged through host memory): every
+path then runs with CUDA tensors through it on a machine of one GPU, NCCL aside.
+``--accelerator cpu`` runs the same checks on CPU processes (gloo default group), to try the
+script itself.
 
-    python benchmarks/gpu_check.py [--devices 2] [--updates 60] [--accelerator gpu]
+    python benchmarks/gpu_check.py [--devices 2] [--learners-per-gpu 2] [--updates 60] [--accelerator gpu]
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class Backends(Callback):
 def same_on_every_rank(model) -> bool:
     """Every learner holds the same parameters (compared through the default group)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        flat = flat.cpu()  # gloo gathers host tensors only
     gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())] if dist.is_initialized() else [flat]
     if dist.is_initialized():
         dist.all_gather(gathered, flat)
@@ -64,8 +69,13 @@ def check(name: str, path: str, args) -> dict:
     seed_everything(args.seed, verbose=False)
     dm = DigitsDataModule(batch_size=32)
     model = Classifier(MLP(dm.input_shape, dm.num_classes), lr=0.1)
+    sharing = {}
+    if args.learners_per_gpu > 1:  # NCCL refuses two ranks on one GPU: the default group on gloo
+        sharing = dict(parallel_devices=[torch.device("cuda", i) for i in range(args.devices)
+                                         for _ in range(args.learners_per_gpu)],
+                       process_group_backend="gloo")
     strategy = StaleStrategy(name, delay=ShiftedExponential(shift=0.002, mean=0.01, seed=args.seed),
-                             record_trace=False, server=path)
+                             record_trace=False, server=path, **sharing)
     backends = Backends()
     trainer = Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.updates,
                       strategy=strategy, callbacks=[backends], logger=False, enable_checkpointing=False,
@@ -99,7 +109,9 @@ def check(name: str, path: str, args) -> dict:
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
-    parser.add_argument("--devices", type=int, default=None, help="learners; default: the GPUs visible (CPU: 2)")
+    parser.add_argument("--devices", type=int, default=None, help="GPUs (one learner each, or --learners-per-gpu); default: the GPUs visible (CPU: 2 processes)")
+    parser.add_argument("--learners-per-gpu", type=int, default=1,
+                        help="learner processes on each GPU; above 1 the default group runs on gloo")
     parser.add_argument("--updates", type=int, default=60)
     args = parser.parse_args()
     apply_process_settings(args)
@@ -108,14 +120,18 @@ def main() -> None:
     if args.accelerator == "gpu" and not 1 <= args.devices <= torch.cuda.device_count():
         raise SystemExit(f"gpu_check: --devices {args.devices} needs that many GPUs; "
                          f"{torch.cuda.device_count()} visible")
+    if args.learners_per_gpu < 1 or (args.learners_per_gpu > 1 and args.accelerator != "gpu"):
+        raise SystemExit(f"gpu_check: --learners-per-gpu {args.learners_per_gpu}: 1, or more with "
+                         "--accelerator gpu")
+    learners = args.devices * args.learners_per_gpu
     runs = [(name, "central") for name in VARIANTS]
-    if args.devices > 1:
+    if learners > 1:
         runs += [(name, "collective" if name in SYNC_FAMILY else "sharded") for name in VARIANTS]
     rows = [check(name, path, args) for name, path in runs]
     if not is_rank_zero():
         return
     expected_device = "cuda" if args.accelerator == "gpu" else "cpu"
-    expected_default = "nccl" if args.accelerator == "gpu" else "gloo"
+    expected_default = "nccl" if args.accelerator == "gpu" and args.learners_per_gpu == 1 else "gloo"
     failed = [f"{r['variant']}@{r['path']}" for r in rows
               if not (r["counts_balance"] and r["module_matches_server"] and r["same_on_every_rank"]
                       and r["loss_last_10"] < r["loss_first_10"]
@@ -123,15 +139,16 @@ def main() -> None:
                       and r["module_device"].startswith(expected_device)
                       and r["server_device"].startswith(expected_device)
                       and r["default_backend"] == expected_default
-                      and r["server_backend"] == ("gloo" if args.devices > 1 else "(P = 1: queues)"))]
+                      and r["server_backend"] == ("gloo" if learners > 1 else "(P = 1: queues)"))]
     print(table(rows, list(rows[0])))
     paths = write_results(prepare_out(args.out), "gpu_check", rows,
-                          {"accelerator": args.accelerator, "devices": args.devices, "updates": args.updates})
+                          {"accelerator": args.accelerator, "devices": args.devices,
+                           "learners_per_gpu": args.learners_per_gpu, "updates": args.updates})
     print("results:", *map(str, paths))
     if failed:
         raise SystemExit(f"gpu_check: checks failed for {', '.join(failed)}")
     print(f"gpu_check: all {len(rows)} runs (six variants, {len({r['path'] for r in rows})} server paths) "
-          f"passed on {args.devices} {args.accelerator} learner(s)")
+          f"passed on {learners} {args.accelerator} learner(s) on {args.devices} device(s)")
 
 
 if __name__ == "__main__":
