@@ -44,24 +44,36 @@ VARIANTS = ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async
 SYNC_FAMILY = ("sync", "k_sync", "k_batch_sync")
 
 
-class Backends(Callback):
-    """The default group's and the server group's backends, while training (teardown drops
-    the server group)."""
+class Placement(Callback):
+    """Where a fit ran, read while training: the default group's and the server group's backends
+    (teardown drops the server group), the module's device and the device of the parameters the
+    server's optimizer steps (rank 0's central state, this rank's shard, or the learner's own
+    module on the collective path). At teardown Lightning moves the module back to the CPU."""
 
     def on_train_start(self, trainer, *args) -> None:
         group = trainer.strategy._server_group
         self.default = dist.get_backend()
         self.server = dist.get_backend(group) if group is not None else "(P = 1: queues)"
 
+    def on_train_end(self, trainer, module) -> None:
+        core, exchange = trainer.strategy.core, trainer.strategy._learner.exchange
+        owner = getattr(exchange, "owner", None)
+        stepped = (core.state.params if core is not None and core.state is not None
+                   else owner.state.params if owner is not None else list(module.parameters()))
+        self.module_device = str(next(module.parameters()).device)
+        self.server_device = str(stepped[0].device)
+
 
 def same_on_every_rank(model) -> bool:
-    """Every learner holds the same parameters (compared through the default group)."""
+    """Every learner holds the same parameters (compared through the default group, on its
+    backend's device: NCCL gathers CUDA tensors, gloo host ones)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        flat = flat.cpu()  # gloo gathers host tensors only
-    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())] if dist.is_initialized() else [flat]
-    if dist.is_initialized():
-        dist.all_gather(gathered, flat)
+    if not dist.is_initialized():
+        return True
+    if dist.get_backend() == "nccl":
+        flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
     return all(torch.equal(g, flat) for g in gathered)
 
 
@@ -76,9 +88,9 @@ def check(name: str, path: str, args) -> dict:
                        process_group_backend="gloo")
     strategy = StaleStrategy(name, delay=ShiftedExponential(shift=0.002, mean=0.01, seed=args.seed),
                              record_trace=False, server=path, **sharing)
-    backends = Backends()
+    placement = Placement()
     trainer = Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.updates,
-                      strategy=strategy, callbacks=[backends], logger=False, enable_checkpointing=False,
+                      strategy=strategy, callbacks=[placement], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, dm)
     same = same_on_every_rank(model)
@@ -90,16 +102,15 @@ def check(name: str, path: str, args) -> dict:
     stats = trainer.strategy.stats
     records = trainer.strategy.pop_update_records()
     losses = [r.loss for r in records]
-    device = next(model.parameters()).device
     return {
         "variant": name, "path": ran, "updates": stats["updates"],
-        "default_backend": backends.default, "server_backend": backends.server,
-        "module_device": str(device), "server_device": str(server_params[0].device),
+        "default_backend": placement.default, "server_backend": placement.server,
+        "module_device": placement.module_device, "server_device": placement.server_device,
         "counts_balance": stats["gradients_received"] == stats["gradients_applied"] + stats["gradients_dropped"]
         + stats["gradients_in_flight_at_stop"],
         "loss_first_10": sum(losses[:10]) / max(1, len(losses[:10])),
         "loss_last_10": sum(losses[-10:]) / max(1, len(losses[-10:])),
-        "module_matches_server": all(torch.equal(a, b) for a, b in zip(model.parameters(), server_params)),
+        "module_matches_server": all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.parameters(), server_params)),
         "same_on_every_rank": same,
         "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
         "overlapped": trainer.strategy.overlapped_updates,
