@@ -25,7 +25,8 @@ path then runs with CUDA tensors through it on a machine of one GPU, NCCL aside.
 ``--accelerator cpu`` runs the same checks on CPU processes (gloo default group), to try the
 script itself.
 
-    python benchmarks/gpu_check.py [--devices 2] [--learners-per-gpu 2] [--updates 60] [--accelerator gpu]
+    python benchmarks/gpu_check.py [--devices 2] [--learners-per-gpu 2] [--updates 60]
+        [--precision 16-mixed] [--accelerator gpu]
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def check(name: str, path: str, args) -> dict:
                              record_trace=False, server=path, **sharing)
     placement = Placement()
     trainer = Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.updates,
-                      strategy=strategy, callbacks=[placement], logger=False, enable_checkpointing=False,
+                      precision=args.precision, strategy=strategy, callbacks=[placement], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, dm)
     same = same_on_every_rank(model)
@@ -124,6 +125,8 @@ def main() -> None:
     parser.add_argument("--learners-per-gpu", type=int, default=1,
                         help="learner processes on each GPU; above 1 the default group runs on gloo")
     parser.add_argument("--updates", type=int, default=60)
+    parser.add_argument("--precision", default="32-true",
+                        help="the Trainer's precision (on CUDA, 16-mixed runs with a gradient scaler)")
     args = parser.parse_args()
     apply_process_settings(args)
     if args.devices is None:
@@ -154,7 +157,8 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     paths = write_results(prepare_out(args.out), "gpu_check", rows,
                           {"accelerator": args.accelerator, "devices": args.devices,
-                           "learners_per_gpu": args.learners_per_gpu, "updates": args.updates})
+                           "learners_per_gpu": args.learners_per_gpu, "updates": args.updates,
+                           "precision": args.precision})
     print("results:", *map(str, paths))
     if failed:
         raise SystemExit(f"gpu_check: checks failed for {', '.join(failed)}")

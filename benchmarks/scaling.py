@@ -117,6 +117,8 @@ def rate_of(mode: str, path: str, trainer, timer: StepTimer, records: RecordTime
 def add_run_arguments(parser, repeats: int) -> None:
     """The options every launch of runs side by side takes."""
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                        help="gpu: one learner per GPU, Lightning's default group on NCCL")
     parser.add_argument("--steps", type=int, default=None, help="updates per fit (default: by model)")
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--warmup", type=int, default=5)
@@ -150,7 +152,8 @@ def time_fit(mode: str, k: int | None, path: str, module, loader, steps: int, ar
     p = args.child_devices
     timer, records = StepTimer(warmup=args.warmup), RecordTimes()
     trainer = Trainer(devices=p, strategy=strategy_for(mode, k, path, args.seed), max_steps=steps,
-                      callbacks=[timer if mode == "ddp" else records], **trainer_kwargs())
+                      callbacks=[timer if mode == "ddp" else records],
+                      **trainer_kwargs(accelerator=args.accelerator))
     trainer.fit(module, train_dataloaders=loader)
     if not is_rank_zero():
         return None
