@@ -73,6 +73,11 @@ class ModelVectors:
         return cls([p for p in module.parameters() if p.requires_grad], chosen)
 
     @property
+    def device(self) -> torch.device:
+        """Where the parameters live (CPU for a model with none)."""
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    @property
     def state_numel(self) -> int:
         """Size of a parameters-and-buffers vector (what the server sends)."""
         return self.numel + self.buffer_numel
@@ -82,10 +87,10 @@ class ModelVectors:
         return self.state_numel + len(self.params)
 
     # ------------------------------------------------------------------ learner side
-    def state_vector(self, out: Tensor | None = None) -> Tensor:
-        """Parameters then buffers, one contiguous CPU vector (written into ``out``, if given: a
-        vector of `state_numel` values of `dtype`)."""
-        return self._flatten(self.params + self.buffers, out)
+    def state_vector(self, out: Tensor | None = None, device: torch.device | None = None) -> Tensor:
+        """Parameters then buffers, one contiguous vector on ``device`` (default CPU; written
+        into ``out``, if given: a vector of `state_numel` values of `dtype`)."""
+        return self._flatten(self.params + self.buffers, out, device)
 
     def load_state(self, flat: Tensor) -> None:
         """Load a `state_vector` into the module's parameters and buffers."""
@@ -148,11 +153,13 @@ class ModelVectors:
         present = flat[self.state_numel:].bool() if masked else None
         return Contribution(gradient, buffers, present)
 
-    def _flatten(self, tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
-        parts = [t.detach().reshape(-1).to(self.dtype).cpu() for t in tensors]
+    def _flatten(self, tensors: Sequence[Tensor], out: Tensor | None = None,
+                 device: torch.device | None = None) -> Tensor:
+        device = torch.device("cpu") if device is None else device
+        parts = [t.detach().reshape(-1).to(device, self.dtype) for t in tensors]
         if out is not None:
             return torch.cat(parts, out=out) if parts else out
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=device)
 
     @staticmethod
     def _split(flat: Tensor, sizes: list[int], total: int) -> list[Tensor]:
@@ -263,14 +270,17 @@ class ServerState:
         if scales == [1.0]:  # one gradient as it is (K = 1): no copy, the parameters' grads view it
             average = contributions[0].gradient
         else:  # (no zero-filled start: a pass over N values fewer)
-            average = torch.mul(contributions[0].gradient, scales[0])
+            # Summed where the parameters live: on a GPU, rank 0's learner pushes a CUDA vector
+            # and the others host ones (`CentralExchange`).
+            device = self.vectors.device
+            average = torch.mul(contributions[0].gradient.to(device), scales[0])
             for scale, c in zip(scales[1:], contributions[1:]):
-                average.add_(c.gradient, alpha=scale)
+                average.add_(c.gradient.to(device), alpha=scale)
         present = None
         if any(c.present is not None for c in contributions):
             present = torch.zeros(len(self.params), dtype=torch.bool)
             for c in contributions:
-                present |= torch.ones_like(present) if c.present is None else c.present
+                present |= torch.ones_like(present) if c.present is None else c.present.cpu()
         load_gradients(self.params, average, present, sparse=self._sparse)
         if self.clip is not None:
             self.clip(self.optimizer)
@@ -301,8 +311,10 @@ class ServerState:
 
     # ------------------------------------------------------------------ internals
     def _combine_buffers(self, contributions: Sequence[Contribution]) -> None:
-        pushed = [c.buffers for c in contributions if c.buffers is not None]
-        if not pushed or not self.buffers:
+        if not self.buffers:
+            return
+        pushed = [c.buffers.to(self.buffers[0].device) for c in contributions if c.buffers is not None]
+        if not pushed:
             return
         stacked = torch.stack(pushed)
         sizes = [b.numel() for b in self.buffers]

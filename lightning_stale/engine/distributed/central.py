@@ -20,20 +20,26 @@ from lightning_stale.method.rules import Decision
 
 class CentralExchange:
     """How a learner meets a server that holds the parameters: a push carries the gradient (and
-    the learner's buffers), new parameters arrive as a vector."""
+    the learner's buffers), new parameters arrive as a vector.
+
+    ``device``: where a push is packed. Host memory (the default) for a learner in another
+    process; the module's own device for rank 0's learner, which hands its pushes to the server
+    thread beside it by reference, so that on a GPU they never leave it (the server answers it
+    on its device too, `CentralPayloads`)."""
 
     schedules = None  # the server steps the LR schedulers
 
     def __init__(self, vectors: ModelVectors,
-                 buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None) -> None:
-        self.vectors, self.buffer = vectors, buffer
+                 buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
+                 device: torch.device | None = None) -> None:
+        self.vectors, self.buffer, self.device = vectors, buffer, device
 
     def fill_push(self, message: Message) -> None:
         """The gradient, taken when the mini-batch's computation ends; packed straight into
         shared memory where ``buffer`` (`LearnerEndpoint.push_buffer`) offers a place."""
         buffer, dtype = self.buffer, self.vectors.dtype
         place = None if buffer is None else (lambda numel: buffer(numel, dtype))
-        message.payload, masked = self.vectors.push_vector(out=place)
+        message.payload, masked = self.vectors.push_vector(device=self.device, out=place)
         if masked:
             message.flags |= Flag.MASKED
 
@@ -87,6 +93,11 @@ class CentralPayloads:
         if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
             return
         state, version = core.state, core.version
+        if message.learner == 0 and state.vectors.device.type != "cpu":
+            # Rank 0's learner shares the server's process and device: its copy stays there
+            # (a host snapshot would cross the bus twice per answer).
+            message.payload = state.vectors.state_vector(device=state.vectors.device)
+            return
         place = None
         alone = message.kind == Kind.PARAMS and decision is not None and len(decision.refresh) == 1
         if alone and self.place_for is not None and not state.has_snapshot(version):

@@ -41,7 +41,7 @@ from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.mesh import DataMesh
 from lightning_stale.engine.distributed.messages import INLINE_PAYLOAD_BYTES, Kind, Message
 from lightning_stale.engine.distributed.overlap import OverlappedAllReduce
-from lightning_stale.engine.distributed.central import CentralPayloads
+from lightning_stale.engine.distributed.central import CentralExchange, CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.sharded import (ShardedExchange, ShardedPayloads, ShardLayout,
                                                         ShardOwner)
@@ -194,7 +194,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
     exchange = owner = payloads = server = None
     if options.path in ("collective", "sharded"):
         # Every learner starts from rank 0's parameters, as DDP does (each rank's owner too).
-        state = vectors.state_vector().to(vectors.params[0].device if vectors.params else "cpu")
+        state = vectors.state_vector(device=vectors.device)
         dist.broadcast(state, src=0)
         vectors.load_state(state)
     if options.path == "sharded":
@@ -204,7 +204,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         schedules = Schedules(schedulers, optimizer)
         if resume is not None:
             schedules.load_states(resume.get("schedulers", []))
-        device = vectors.params[0].device if vectors.params else torch.device("cpu")
+        device = vectors.device
         overlap = None
         if options.overlap:  # every rank creates both groups, in this order (they are collective)
             overlap = OverlappedAllReduce(vectors, variant.p, dist.new_group(),
@@ -247,6 +247,8 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                                    lanes=lanes.get(0))
     if owner is not None:
         owner.start(endpoint, server)
+    if exchange is None and rank == 0:  # central: beside the server, its pushes stay on the device
+        exchange = CentralExchange(vectors, device=vectors.device)
     learner = Learner(endpoint, vectors, options.delay, exchange=exchange,
                       waits_for_answer=variant.pusher_needs_answer,
                       delay_is_total=options.delay_is_total,
