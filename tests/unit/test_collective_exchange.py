@@ -111,3 +111,30 @@ def test_an_unusable_push_is_never_taken_nor_recycled():
         update(ex, k=1, mine=0, version=version)
         assert torch.equal(vectors.state_vector()[:vectors.numel], settled)
     assert all(isinstance(v, torch.Tensor) for v in ex._spare)
+
+
+def test_a_push_carried_over_an_epochs_end_keeps_its_gradient_through_validation():
+    # The push waits for the next epoch, and Lightning zeroes the gradients before validation
+    # (and the loader's prefetched mini-batch may run one more backward): the push that leaves
+    # after it must carry the gradient computed before the epoch's end.
+    module, optimizer, vectors, ex = exchange()
+    optimizer.zero_grad()
+    torch.manual_seed(4)
+    module(torch.randn(8, 3)).square().mean().backward()
+    grad = torch.cat([p.grad.reshape(-1).clone() for p in module.parameters()])
+    push = Message(Kind.PUSH)
+    ex.fill_push(push)
+    ex.carry(push)
+    module(torch.randn(8, 3)).sum().backward()  # a discarded mini-batch's backward
+    module.zero_grad()  # Lightning's on_validation_model_zero_grad
+    before = vectors.state_vector()[:vectors.numel]
+    ex.before_push(push)
+    assert push.payload is None  # only the header travels
+    ex.after_push(push)
+    update(ex, k=1, mine=1, version=1)
+    assert torch.allclose(vectors.state_vector()[:vectors.numel], before - 0.1 * grad, atol=1e-6)
+    # the next push packs its own gradient again
+    grad = backward_and_push(module, optimizer, ex, 5, True)
+    before = vectors.state_vector()[:vectors.numel]
+    update(ex, k=1, mine=1, version=2)
+    assert torch.allclose(vectors.state_vector()[:vectors.numel], before - 0.1 * grad, atol=1e-6)

@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_stale.engine.distributed.collective import CollectiveExchange
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
+from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors
 
 
@@ -189,6 +191,33 @@ def test_an_epoch_end_carries_the_delayed_mini_batch_into_the_next_epoch():
     learner.resume()
     assert 0.25 <= time.monotonic() - start < 0.45  # the remaining 0.3 s, then the push
     assert [m.kind for m in endpoint.pushed] == [Kind.PUSH] and not learner.paused
+
+
+@pytest.mark.usefixtures("gloo_group_of_one")
+def test_a_push_carried_over_an_epochs_end_leaves_with_the_gradient_computed_before_it():
+    # The collective path packs a gradient when its header leaves; a push carried over an epoch's
+    # end leaves after validation, and Lightning zeroes the gradients before validation.
+    torch.manual_seed(0)
+    module = nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    vectors = ModelVectors.of(module)
+    exchange = CollectiveExchange(vectors, optimizer, Schedules([], optimizer), rank=0, device=torch.device("cpu"))
+    endpoint = FakeLearnerEndpoint(rank=0)
+    learner = Learner(endpoint, vectors, Delay(0.4), exchange=exchange)
+    endpoint.inbox.put(Message(Kind.PARAMS, version=0))  # w_0, which every learner holds already
+    learner.wait_for_parameters()
+    module(torch.ones(3, 2)).sum().backward()
+    grad = module.weight.grad.clone()
+    threading.Timer(0.1, endpoint.inbox.put, [epoch_end()]).start()
+    step(learner)  # paused during its delay: carried
+    assert learner.carried is not None and endpoint.pushed == []
+    module.zero_grad()  # Lightning's on_validation_model_zero_grad
+    before = module.weight.detach().clone()
+    # the update takes this learner's one gradient (K = 1, P = 1)
+    endpoint.answer = Message(Kind.PARAMS, version=1, payload=torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64))
+    learner.resume()
+    assert [m.kind for m in endpoint.pushed] == [Kind.PUSH] and endpoint.pushed[0].payload is None
+    assert learner.version == 1 and torch.allclose(module.weight, before - grad)
 
 
 def test_an_answer_still_awaited_at_an_epoch_end_is_awaited_after_it():

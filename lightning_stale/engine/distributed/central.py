@@ -43,6 +43,9 @@ class CentralExchange:
         if masked:
             message.flags |= Flag.MASKED
 
+    def carry(self, message: Message) -> None:
+        """The push waits over an epoch's end: its payload holds the gradient already."""
+
     def before_push(self, message: Message) -> None:
         """The push leaves now (not when cancelled work is thrown away)."""
 

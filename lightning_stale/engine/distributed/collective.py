@@ -107,6 +107,7 @@ class CollectiveExchange:
         # This learner's pushed gradients, oldest first (None: the one in the overlapped round).
         self._pending: list[Tensor | None] = []
         self._in_round = False  # the push being made went round during its backward
+        self._carried: Tensor | None = None  # its gradient, packed when it was carried
         self._own_integers: Tensor | None = None  # its integer buffers, when it did
         # Vectors are recycled: a fresh one of a large model is a page-faulting allocation. The
         # parameters' .grad are views of `_in_grads` until the next update, so it is never spare.
@@ -129,28 +130,42 @@ class CollectiveExchange:
         stay in the parameters' ``.grad`` until then: only the next backward or an update's step
         changes them, and the learner calls `after_push` right after sending the header, before
         it waits for an answer or, in K-batch-sync, goes on to its next mini-batch; a push
-        carried over an epoch's end is sent at the next epoch's first batch, before its
-        backward.) Work cancelled before its push is never packed. An overlapped round is
-        completed here, whether or not the push will leave: its peers' all-reduces wait for it."""
+        carried over an epoch's end is packed when it is carried, `carry`.) Work cancelled
+        before its push is never packed. An overlapped round is completed here, whether or not
+        the push will leave: its peers' all-reduces wait for it."""
         self._in_round = self.overlap is not None and self.overlap.finish()
         if self._in_round and self._integers:
             self._own_integers = torch.cat([b.detach().reshape(-1).to(self.device, self.vectors.dtype)
                                             for b in self.vectors.buffers if not b.is_floating_point()])
 
+    def carry(self, message: Message) -> None:
+        """The push waits over an epoch's end and leaves after validation, before which Lightning
+        zeroes the gradients (and a mini-batch the loader had fetched may run one more backward):
+        its gradient is packed now, onto the message, until `before_push` takes it off again.
+        (One that went round during backward has nothing to keep: rounds never span an epoch's
+        end.)"""
+        if not (message.flags & Flag.UNUSABLE or self._in_round):
+            message.payload = self._pack()
+
     def before_push(self, message: Message) -> None:
-        pass
+        self._carried, message.payload = message.payload, None  # only the header travels
 
     def after_push(self, message: Message) -> None:
-        """The gradient, packed now and kept until an update takes it. (An unusable push, e.g. a
-        16-mixed overflow, has none: the server drops it, no update takes it.)"""
+        """The gradient, packed now (or when the push was carried) and kept until an update takes
+        it. (An unusable push, e.g. a 16-mixed overflow, has none: the server drops it, no update
+        takes it.)"""
+        carried, self._carried = self._carried, None
         if message.flags & Flag.UNUSABLE:
             return
         if self._in_round:  # already on its way round the all-reduce
             self._pending.append(None)
             return
+        self._pending.append(carried if carried is not None else self._pack())
+
+    def _pack(self) -> Tensor:
         spare = self._spare.pop() if self._spare else None
         vector, _ = self.vectors.push_vector(mask=True, device=self.device, out=spare)
-        self._pending.append(vector)
+        return vector
 
     def resolve(self, message: Message, check) -> None:
         """An epoch's end: validation runs on the parameters and buffers of the last update (the

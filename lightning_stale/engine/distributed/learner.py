@@ -286,7 +286,7 @@ class Learner:
             return True
         if self.paused:
             if self.carried is None and started_at < self.paused_at:
-                self.carried = _Carried(push)  # in flight when the epoch ended
+                self._carry(_Carried(push))  # in flight when the epoch ended
             else:
                 self.cancelled += 1  # started after the epoch's end
             return True
@@ -295,9 +295,17 @@ class Learner:
             self.cancelled += 1
             return True
         if events.paused:
-            self.carried = _Carried(push)
+            self._carry(_Carried(push))
             return True
         return self._delay_and_push(_Carried(push))
+
+    def _carry(self, work: _Carried) -> None:
+        """Keep ``work`` for after the epoch's end. Its push leaves after validation, and Lightning
+        zeroes the gradients before validation (``on_validation_model_zero_grad``), so whatever
+        the push carries is taken out of the module now (`exchange.carry`)."""
+        if work.push is not None:
+            self.exchange.carry(work.push)
+        self.carried = work
 
     def _delay_and_push(self, work: _Carried) -> bool:
         if self.delay is not None:
@@ -312,7 +320,7 @@ class Learner:
                 self.cancelled += 1
                 return True
             if events.paused:
-                self.carried = work
+                self._carry(work)
                 return True
         self.pushes += 1
         self.last_x = self.clock.elapsed()
