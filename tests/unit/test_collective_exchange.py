@@ -127,6 +127,7 @@ def test_a_push_carried_over_an_epochs_end_keeps_its_gradient_through_validation
     ex.carry(push)
     module(torch.randn(8, 3)).sum().backward()  # a discarded mini-batch's backward
     module.zero_grad()  # Lightning's on_validation_model_zero_grad
+    ex.carry(push)  # carried over a second epoch's end before it left
     before = vectors.state_vector()[:vectors.numel]
     ex.before_push(push)
     assert push.payload is None  # only the header travels

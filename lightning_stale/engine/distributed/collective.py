@@ -143,8 +143,8 @@ class CollectiveExchange:
         zeroes the gradients (and a mini-batch the loader had fetched may run one more backward):
         its gradient is packed now, onto the message, until `before_push` takes it off again.
         (One that went round during backward has nothing to keep: rounds never span an epoch's
-        end.)"""
-        if not (message.flags & Flag.UNUSABLE or self._in_round):
+        end. One carried over a second epoch's end before it left is packed already.)"""
+        if message.payload is None and not (message.flags & Flag.UNUSABLE or self._in_round):
             message.payload = self._pack()
 
     def before_push(self, message: Message) -> None:
