@@ -258,7 +258,7 @@ class ServerState:
         self.clip = clip
         self.schedules = Schedules(schedulers, optimizer, stepped=self.optimizer)
         self.vectors = ModelVectors(self.params, self.buffers)
-        self._snapshot: tuple[int, Tensor] | None = None
+        self._snapshot: tuple[int, dict[torch.device, Tensor]] | None = None  # version, per device
 
     def apply(self, contributions: Sequence[Contribution], weights: Sequence[float] | None = None,
               update_index: int = 0) -> None:
@@ -290,16 +290,22 @@ class ServerState:
         self._snapshot = None
         self.schedules.after_update(update_index)
 
-    def has_snapshot(self, version: int) -> bool:
-        """Whether `snapshot` of ``version`` is made already."""
-        return self._snapshot is not None and self._snapshot[0] == version
+    def has_snapshot(self, version: int, device: torch.device | None = None) -> bool:
+        """Whether `snapshot` of ``version`` on ``device`` is made already."""
+        return self._snapshot is not None and self._snapshot[0] == version and \
+            torch.device(device or "cpu") in self._snapshot[1]
 
-    def snapshot(self, version: int) -> Tensor:
-        """The current parameters and buffers, those of ``version``, as one flat CPU vector;
-        made once per version."""
+    def snapshot(self, version: int, device: torch.device | None = None) -> Tensor:
+        """The current parameters and buffers, those of ``version``, as one flat vector on
+        ``device`` (default CPU: what travels to other processes); made once per version and
+        device."""
+        device = torch.device(device or "cpu")
         if self._snapshot is None or self._snapshot[0] != version:
-            self._snapshot = (version, self.vectors.state_vector())
-        return self._snapshot[1]
+            self._snapshot = (version, {})
+        made = self._snapshot[1]
+        if device not in made:
+            made[device] = self.vectors.state_vector(device=device)
+        return made[device]
 
     def load_into(self, module: nn.Module) -> None:
         """Put the server's parameters and buffers into ``module`` (a learner)."""

@@ -44,8 +44,10 @@ def test_adam_state_lives_with_the_server():
 
 def test_snapshot_is_cached_per_version():
     _, state = make(lr=0.1)
+    assert not state.has_snapshot(0)
     a = state.snapshot(0)
-    assert state.snapshot(0) is a
+    assert state.snapshot(0) is a and state.snapshot(0, torch.device("cpu")) is a
+    assert state.has_snapshot(0) and not state.has_snapshot(1)
     state.apply([Contribution(torch.randn(state.vectors.numel))])
     assert not torch.equal(state.snapshot(1), a)
 

@@ -96,10 +96,8 @@ class CentralPayloads:
         if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
             return
         state, version = core.state, core.version
-        if message.learner == 0 and state.vectors.device.type != "cpu":
-            # Rank 0's learner shares the server's process and device: its copy stays there
-            # (a host snapshot would cross the bus twice per answer).
-            message.payload = state.vectors.state_vector(device=state.vectors.device)
+        if message.learner == 0:  # beside the server, on its device: nothing crosses the bus for it
+            message.payload = state.snapshot(version, state.vectors.device)
             return
         place = None
         alone = message.kind == Kind.PARAMS and decision is not None and len(decision.refresh) == 1
