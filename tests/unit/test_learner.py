@@ -14,6 +14,7 @@ from torch import nn
 from lightning_stale.engine.distributed.collective import CollectiveExchange
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
+from lightning_stale.engine.distributed.transport import LearnerEndpoint
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors
 
@@ -49,6 +50,8 @@ class FakeLearnerEndpoint:
 
     def join(self, timeout):
         return True
+
+    connection_broke = LearnerEndpoint.connection_broke
 
 
 class Delay:
@@ -420,6 +423,19 @@ def test_learner_fails_loudly_when_the_transport_breaks():
     endpoint.answer = Message(Kind.FAILED, error="receiving from the server failed: reset")
     with pytest.raises(ServerFailed, match="reset"):
         step(learner)
+
+
+def test_a_connection_that_breaks_under_a_push_fails_the_run_naming_the_server():
+    # The server's process died and this learner's send noticed before its receiving thread.
+    learner, endpoint, _ = make_learner()
+
+    def broken(message):
+        raise RuntimeError("Read error [127.0.0.1]:52934: Connection reset by peer")
+
+    endpoint.push = broken
+    with pytest.raises(ServerFailed, match=r"learner 1: the connection to the server \(rank 0\) broke.*reset by peer"):
+        step(learner)
+    assert learner.failure == endpoint.failure  # the receiving thread, noticing later, says no more
 
 
 def test_close_says_goodbye_with_the_delays_and_waits_for_stop():

@@ -299,6 +299,18 @@ class Learner:
             return True
         return self._delay_and_push(_Carried(push))
 
+    def _send(self, message: Message) -> None:
+        """Send to the server. A connection that breaks under the send (the server's process
+        died before the receiving thread noticed) is the run's failure, named as that thread
+        names it, not gloo's bare error."""
+        try:
+            self.endpoint.push(message)
+        except Exception as exc:
+            if self.endpoint.local:  # (a call into the server thread's queue: no connection)
+                raise
+            self._raised = self.endpoint.connection_broke(exc)
+            raise ServerFailed(self._raised) from exc
+
     def _carry(self, work: _Carried) -> None:
         """Keep ``work`` for after the epoch's end. Its push leaves after validation, and Lightning
         zeroes the gradients before validation (``on_validation_model_zero_grad``), so whatever
@@ -326,7 +338,7 @@ class Learner:
         self.last_x = self.clock.elapsed()
         self.exchange.before_push(work.push)
         self.clock.pushed()
-        self.endpoint.push(work.push)
+        self._send(work.push)
         self.exchange.after_push(work.push)
         if not self.waits_for_answer:
             return False
@@ -385,8 +397,7 @@ class Learner:
         deferred, self._deferred = self._deferred, []
         self._absorb(deferred)  # a STOP heard at the epoch's end may wait among them
         delays = torch.tensor(self.delays, dtype=torch.float64) if self.delays else None
-        self.endpoint.push(Message(Kind.BYE, version=self.version, cancelled=self.cancelled,
-                                   payload=delays))
+        self._send(Message(Kind.BYE, version=self.version, cancelled=self.cancelled, payload=delays))
         deadline = time.monotonic() + timeout
         while not self.stopped:
             messages = self._wait(max(0.0, deadline - time.monotonic()))
@@ -400,7 +411,7 @@ class Learner:
         the learner trains on until the server's STOP, so that every learner stops on it."""
         if not (self.stop_requested or self.stopped):
             self.stop_requested = True
-            self.endpoint.push(Message(Kind.HALT, version=self.version))
+            self._send(Message(Kind.HALT, version=self.version))
 
     def interrupt(self, reason: str) -> None:
         """Ask the server to stop the run for everyone (``reason`` names the signal); training

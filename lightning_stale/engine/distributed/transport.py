@@ -355,9 +355,15 @@ class LearnerEndpoint:
                 if message.kind in _LAST:
                     return
         except Exception as exc:  # noqa: BLE001 - surfaces in the learner's next wait
+            self.inbox.put(Message(Kind.FAILED, error=self.connection_broke(exc)))
+
+    def connection_broke(self, exc: BaseException) -> str:
+        """The connection to the server failed with ``exc`` (receiving or sending, whichever
+        noticed first): this learner's failure from now on, which this returns."""
+        if self.failure is None:
             self.failure = (f"learner {self.rank}: the connection to the server (rank 0) broke, its "
                             f"process is gone or unreachable: {exc}")
-            self.inbox.put(Message(Kind.FAILED, error=self.failure))
+        return self.failure
 
     def join(self, timeout: float) -> bool:
         if self._thread is not None:
