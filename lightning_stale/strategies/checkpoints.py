@@ -21,6 +21,7 @@ inside Lightning's exception handling, which would skip the strategy's teardown.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -63,7 +64,7 @@ class ServerCheckpoint:
             vector, *_ = self._gather()
             state_dict.update(named_state(s.lightning_module, vector))
         else:
-            with s._server.lock:
+            with s._server.reading():
                 state_dict.update(s._server.core.state.named_state(s.lightning_module))
         return state_dict
 
@@ -82,8 +83,8 @@ class ServerCheckpoint:
         if s.path == "sharded":
             _, optimizer_state, *_ = self._gather()
             return optimizer_state
-        with s._server.lock:
-            return s._server.core.state.optimizer.state_dict()
+        with s._server.reading():  # a copy: the server steps on in place once this ends
+            return copy.deepcopy(s._server.core.state.optimizer.state_dict())
 
     def engine_state(self) -> dict:
         """The server's books, matching the parameters saved beside them."""
@@ -107,7 +108,7 @@ class ServerCheckpoint:
         s = self.strategy
         optimizer = s.optimizers[0]
         if s.path == "central":
-            with s._server.lock:
+            with s._server.reading():
                 optimizer.load_state_dict(s._server.core.state.optimizer.state_dict())
         elif s.path == "sharded":
             _, saved, _ = s._server.payloads.gathered(FINAL, s.check_server)

@@ -457,3 +457,26 @@ def test_a_push_read_in_its_slot_during_an_epochs_end_is_copied_out_and_held(tmp
         lane.write(torch.full((3,), value), lambda: None)
     server._handle(("resume", {}))
     assert server.core.state.params[0].tolist() == [[-5.0, -5.0, -5.0]]  # 0 - 1 - 4
+
+
+def test_a_checkpoints_optimizer_state_is_a_copy_the_servers_next_update_leaves_alone():
+    # Lightning writes the checkpoint after the server's lock is released; the server steps its
+    # optimizer in place meanwhile, so the state handed over must be the one of that moment.
+    from types import SimpleNamespace
+
+    from lightning_stale.strategies.checkpoints import ServerCheckpoint
+
+    module = nn.Linear(3, 1, bias=False)
+    state = ServerState(module, torch.optim.AdamW(module.parameters(), lr=0.1))
+    core = ServerCore(Variant.create("async", 2, None), state, ServerLimits())
+    server = ParameterServer(core, CentralPayloads(ModelVectors.of(module)))
+    server.endpoint = RecordingEndpoint()
+    server._broadcast(Kind.PARAMS)
+    push(server, 1, 0, value=1.0)
+    checkpoint = ServerCheckpoint(SimpleNamespace(_server=server, _final_stats=None, path="central"))
+    saved = checkpoint.optimizer_state({})
+    moment = saved["state"][0]["exp_avg"].clone()
+    push(server, 1, 1, value=5.0)
+    assert server.core.version == 2
+    assert not torch.equal(server.core.state.optimizer.state[state.params[0]]["exp_avg"], moment)
+    assert torch.equal(saved["state"][0]["exp_avg"], moment)

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from lightning_stale.engine import streams
 from lightning_stale.engine.core import ServerCore
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.state import Contribution, ModelVectors
@@ -40,6 +41,7 @@ class CentralExchange:
         buffer, dtype = self.buffer, self.vectors.dtype
         place = None if buffer is None else (lambda numel: buffer(numel, dtype))
         message.payload, masked = self.vectors.push_vector(device=self.device, out=place)
+        message.ready = streams.mark(message.payload)  # on a GPU: the server reads it on its stream
         if masked:
             message.flags |= Flag.MASKED
 
@@ -90,6 +92,7 @@ class CentralPayloads:
         self.vectors, self.place_for = vectors, place_for
 
     def contribution(self, message: Message) -> Contribution:
+        streams.receive(message.payload, message.ready)  # rank 0's push, on a GPU
         return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
 
     def fill(self, message: Message, core: ServerCore, decision: Decision | None) -> None:
@@ -98,6 +101,7 @@ class CentralPayloads:
         state, version = core.state, core.version
         if message.learner == 0:  # beside the server, on its device: nothing crosses the bus for it
             message.payload = state.snapshot(version, state.vectors.device)
+            message.ready = streams.mark(message.payload)  # made on the server's stream
             return
         place = None
         alone = message.kind == Kind.PARAMS and decision is not None and len(decision.refresh) == 1

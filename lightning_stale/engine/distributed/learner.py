@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from lightning_stale.engine import streams
 from lightning_stale.engine.distributed.central import CentralExchange
 from lightning_stale.engine.distributed.clocks import POLL_S, MiniBatchClock, Silence
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
@@ -192,6 +193,7 @@ class Learner:
     def _take(self, messages: list[Message]) -> _Events:
         events = _Events()
         for m in messages:
+            streams.receive(m.payload, m.ready)  # from the server's stream (rank 0, on a GPU)
             if m.kind in (Kind.FAILED, Kind.ABORT):
                 self._raised = m.error
                 raise (RunInterrupted if m.flags & Flag.INTERRUPTED else ServerFailed)(m.error)

@@ -114,6 +114,8 @@ class Message:
         received_at: ``time.monotonic()`` when the receiving side got it.
         lent: the payload is still in the sender's shared-memory slot (`lanes.LentPayload`):
             read it through ``lent.use``, or ``lent.keep`` it first; None: the payload is owned.
+        ready: a CUDA payload handed to another thread of this process: the event after which
+            it is complete (`engine.streams.mark`; the receiver calls `engine.streams.receive`).
     """
 
     kind: Kind
@@ -135,6 +137,7 @@ class Message:
     caused_at: float = 0.0
     received_at: float = 0.0
     lent: object | None = None
+    ready: object | None = None
 
 
 def encode_header(message: Message, payload: Tensor | None, inline: int) -> bytes:

@@ -16,6 +16,7 @@ A learner's INTERRUPT (a signal on its process) is no failure: every learner is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -26,6 +27,7 @@ from typing import Mapping
 import torch
 
 from lightning_stale.delays.traces import TraceRecorder
+from lightning_stale.engine import streams
 from lightning_stale.engine.core import Outcome, ServerCore
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
 from lightning_stale.engine.distributed.transport import ServerEndpoint
@@ -63,6 +65,10 @@ class ParameterServer:
         self._cause = 0.0  # arrival time of the push being decided (see `Message.age`)
         self._paused = False  # an epoch ended; training resumes with rank 0's RESUME
         self._held: list[Message] = []  # pushes that arrived during the pause
+        # On a GPU the server works on a stream of its own (`engine.streams`: on the default one,
+        # its copies to the host would queue behind the training thread's collectives).
+        device = core.state.vectors.device if core.state is not None else torch.device("cpu")
+        self.stream = streams.side_stream(device)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, endpoint: ServerEndpoint) -> None:
@@ -91,8 +97,16 @@ class ParameterServer:
             return self.core.pop_records()
 
     def state_dict(self) -> dict:
-        with self.lock:
+        with self.reading():
             return self.core.state_dict()
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Hold the core still for a reader on another thread (a checkpoint): the lock and, on a
+        GPU, a reading stream that starts after the server's work and is done before the server
+        goes on (`engine.streams.reading`). A tensor the reader keeps must be copied inside."""
+        with self.lock, streams.reading(self.stream):
+            yield
 
     def final_report(self, unannounced: tuple[int, list[float], int] | None = None
                      ) -> tuple[dict, TraceRecorder]:
@@ -114,6 +128,10 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
+        with streams.running_on(self.stream):
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while self.error is None and len(self.learner_reports) < len(self.core.rules.alive):
                 try:

@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from lightning_stale.engine import streams
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, payload_text, text_payload
 from lightning_stale.engine.distributed.mesh import DataMesh
 from lightning_stale.engine.state import ModelVectors, ServerState
@@ -122,6 +123,9 @@ class ShardOwner:
         self._pieces: dict[tuple[int, int], Message] = {}
         self._arrived = threading.Condition()
         self._mesh_failure: str | None = None
+        # On a GPU the owner works on a stream of its own: on the default one, its copies to the
+        # host would queue behind this rank's collectives (`engine.streams`).
+        self.stream = streams.side_stream(state.vectors.device)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"stale-shard-{rank}")
 
     def start(self, endpoint, server=None) -> None:
@@ -156,6 +160,10 @@ class ShardOwner:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        with streams.running_on(self.stream):
+            self._follow()
+
+    def _follow(self) -> None:
         try:
             while True:
                 try:
