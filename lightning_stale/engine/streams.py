@@ -47,6 +47,16 @@ def running_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
         stream.synchronize()
 
 
+@contextlib.contextmanager
+def on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Queue the calling thread's work on ``stream`` for a while (nothing off CUDA)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+
+
 def mark(tensor: Tensor | None) -> torch.cuda.Event | None:
     """An event after the work queued so far on the current stream of ``tensor``'s device, for a
     CUDA tensor that another thread will use next (its ``Message.ready``)."""
@@ -66,6 +76,23 @@ def receive(tensor: Tensor | None, ready: torch.cuda.Event | None) -> None:
     stream = torch.cuda.current_stream(tensor.device)
     stream.wait_event(ready)
     tensor.record_stream(stream)
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def to_host(tensor: Tensor, ready: torch.cuda.Event | None) -> Tensor:
+    """``tensor`` (on the device, complete after ``ready``) in host memory: the copy waits on
+    the host for ``ready`` and runs on a stream of its own, never behind another stream's work."""
+    if not tensor.is_cuda:
+        return tensor
+    if ready is not None:
+        ready.synchronize()
+    stream = _copy_streams.get(tensor.device)
+    if stream is None:
+        stream = _copy_streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
+    with torch.cuda.stream(stream):
+        return tensor.cpu()
 
 
 @contextlib.contextmanager

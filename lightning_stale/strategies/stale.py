@@ -17,7 +17,8 @@ from lightning_stale.delays.models import DelayModel
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
-from lightning_stale.engine.distributed.ranks import RankOptions, build_rank, check_path, overlaps, settle_path
+from lightning_stale.engine.distributed.ranks import (RankOptions, build_rank, channel_backend, check_path,
+                                                      overlaps, settle_path)
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
@@ -96,6 +97,15 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             receives its parameters through a file in ``/dev/shm`` mapped by both processes,
             with only the headers over gloo (`engine.distributed.lanes`; learners on other
             hosts, or where ``/dev/shm`` lacks the space, use gloo). False: gloo for all.
+        payload_channels: on the central and sharded paths, payloads travel on point-to-point
+            groups of the default group's backend, one per direction between two ranks
+            (`engine.distributed.channels`), with only the headers over gloo. None (default):
+            where that backend is NCCL, so that gradients and parameters go from GPU to GPU
+            without a copy through host memory, unless ``on_learner_failure="continue"`` (a
+            dead peer would leave NCCL waiting); True: always (on CPU, gloo groups; refused
+            for GPUs on a gloo default group); False: never. ``stats["payload_channels"]``
+            names the backend used, or None, and ``stats["payloads_on_channels"]`` counts the
+            payloads rank 0 sent and received on them.
         overlap_allreduce: on the collective path, where every update takes one gradient from
             every learner (``sync``; ``k_sync`` with K = P and no ``adaptive_k``), each learner
             reduces its gradient in buckets while backward runs, as DDP does
@@ -135,7 +145,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                  adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
-                 overlap_allreduce: bool = True, **ddp_kwargs: Any) -> None:
+                 overlap_allreduce: bool = True, payload_channels: Optional[bool] = None,
+                 **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
         if on_learner_failure not in LEARNER_FAILURE_MODES:
@@ -148,6 +159,13 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                            ("overlap_allreduce", overlap_allreduce)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if payload_channels not in (None, True, False):
+            raise ValueError(f"payload_channels must be None (where NCCL is the default group's "
+                             f"backend), True or False, got {payload_channels!r}")
+        if payload_channels and on_learner_failure == "continue":
+            raise ValueError("payload_channels=True cannot go with on_learner_failure='continue': a "
+                             "dead learner would leave its peers' point-to-point transfers waiting; "
+                             "leave payload_channels unset (host transport then)")
         for name, value in (("server_timeout", server_timeout), ("shutdown_timeout", shutdown_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -163,7 +181,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.delay_mode, self.on_learner_failure = delay_mode, on_learner_failure
         self.server_timeout, self.shutdown_timeout = float(server_timeout), float(shutdown_timeout)
         self.hold_freed_memory, self.shared_memory = hold_freed_memory, shared_memory
-        self.overlap_allreduce = overlap_allreduce
+        self.overlap_allreduce, self.payload_channels = overlap_allreduce, payload_channels
+        self._channels: str | None = None  # the backend of this fit's device channels
         self.overlapped_updates = 0  # this rank's updates reduced during backward (last fit)
         self._server_group = None
         self._server: ParameterServer | None = None
@@ -260,7 +279,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.path, lanes = settle_path(self.server, variant, self.lightning_module, self._server_group,
                                        self.global_rank, self.on_learner_failure, self.staleness_compensation,
                                        clips=self._clip is not None, nodes=self.num_nodes,
-                                       shared_memory=self.shared_memory, cpu=self.root_device.type == "cpu")
+                                       shared_memory=self.shared_memory and self.payload_channels is not True,
+                                       cpu=self.root_device.type == "cpu")
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         # The collective path under a variant whose every update takes one gradient from each
@@ -274,9 +294,12 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             log.info("overlap_allreduce: the all-reduce follows the server's decision, after %s, "
                      "which may change the gradients", ", ".join(hooks))
         overlap = overlap and not hooks
+        self._channels = channel_backend(self.payload_channels, self.path, self.world_size,
+                                         dist.get_backend() if self.world_size > 1 else None,
+                                         self.root_device, self.on_learner_failure)
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
                               self.server_timeout, self.staleness_compensation, self._adaptive,
-                              self.shared_memory, overlap, self.shutdown_timeout)
+                              self.shared_memory, overlap, self.shutdown_timeout, self._channels)
         learner, self._server = build_rank(self.global_rank, self._server_group, self.lightning_module,
                                            self.optimizers[0], self._schedulers, variant, limits, options,
                                            self._resume, self._clip, lanes=lanes)
@@ -413,6 +436,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             None if unannounced is None else (unannounced.rank, unannounced.delays, unannounced.cancelled))
         stats["server_path"] = self.path
         stats["shared_memory_learners"] = self._server.endpoint.lane_learners
+        stats["payload_channels"] = self._channels
+        stats["payloads_on_channels"] = self._server.endpoint.payloads_on_channels  # rank 0's
         path = self.write_trace(recorder)
         if path is not None:
             stats["trace_path"] = path

@@ -232,6 +232,25 @@ def test_on_one_host_the_central_paths_large_payloads_cross_in_shared_memory(pat
     assert {learner for update in result["learners"] for learner in update} == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("run", ["k_async@central-channels", "k_batch_async@sharded-channels"])
+def test_payloads_on_channels_keep_every_count_and_learn(paths, run):
+    """``payload_channels=True``: every payload too large for a frame goes on the group of its
+    direction (gloo here, NCCL on GPUs), in the order of the headers, with nothing in shared
+    memory; every count kept, the loss falling, every learner ending with the server's state."""
+    from lightning_stale.engine.distributed.transport import INLINE_PAYLOAD_BYTES
+
+    result = paths[run]
+    stats = result["stats"]
+    assert 4 * result["parameters"] > INLINE_PAYLOAD_BYTES
+    assert stats["server_path"] == run.split("@")[1].split("-")[0] and stats["payload_channels"] == "gloo"
+    assert stats["shared_memory_learners"] == [] and stats["updates"] == 40 and books_balance(stats)
+    # rank 0 received pushes (central) or its owner's pieces (sharded) from three learners
+    assert stats["payloads_on_channels"] >= 3 * 10
+    assert result["updates"] == list(range(1, 41)) and result["same_everywhere"]
+    assert sum(result["losses"][-10:]) < sum(result["losses"][:10])
+    assert {learner for update in result["learners"] for learner in update} == {0, 1, 2, 3}
+
+
 def test_a_sharded_checkpoint_gathers_the_model_and_resumes_on_the_central_path(paths):
     saved = paths["sharded_checkpoint"]
     version = saved["saved_server"]["version"]

@@ -147,3 +147,38 @@ def test_every_rank_settles_on_the_same_path_and_the_central_one_takes_the_lanes
         assert sorted(settled[0][1]) == [1, 2] and [sorted(settled[r][1]) for r in (1, 2)] == [[0], [0]]
     else:
         assert all(held is None for _, held in settled)
+
+
+@pytest.mark.parametrize("wanted,path,world,backend,device,failure,expected", [
+    (None, "central", 4, "nccl", "cuda", "stop", "nccl"),  # auto: GPU to GPU where NCCL runs
+    (None, "sharded", 8, "nccl", "cuda", "stop", "nccl"),
+    (None, "central", 4, "nccl", "cuda", "continue", None),  # a dead peer would leave NCCL waiting
+    (None, "central", 4, "gloo", "cpu", "stop", None),  # on CPU gloo carries payloads already
+    (None, "collective", 4, "nccl", "cuda", "stop", None),  # its payloads meet in all-reduces
+    (None, "central", 1, None, "cuda", "stop", None),  # no peer
+    (True, "sharded", 4, "gloo", "cpu", "stop", "gloo"),
+    (False, "central", 4, "nccl", "cuda", "stop", None),
+])
+def test_payloads_take_device_channels_where_nccl_runs_or_where_asked(wanted, path, world, backend, device,
+                                                                      failure, expected):
+    import torch
+
+    assert ranks.channel_backend(wanted, path, world, backend, torch.device(device), failure) == expected
+
+
+def test_channels_asked_for_on_gpus_without_nccl_are_refused_naming_the_backend():
+    import torch
+
+    with pytest.raises(ValueError, match=r"needs NCCL for payloads on cuda devices.*runs on 'gloo'"):
+        ranks.channel_backend(True, "central", 2, "gloo", torch.device("cuda"), "stop")
+
+
+@pytest.mark.parametrize("path,p,pairs", [
+    ("central", 3, [(1, 0), (0, 1), (2, 0), (0, 2)]),
+    ("sharded", 3, [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]),
+    ("collective", 3, []),
+])
+def test_every_direction_a_paths_payloads_take_gets_a_channel(path, p, pairs):
+    from lightning_stale.engine.distributed.channels import channel_pairs
+
+    assert channel_pairs(path, p) == pairs

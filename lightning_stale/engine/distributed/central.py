@@ -78,6 +78,9 @@ class CentralPayloads:
     at an update, when schedulers are due, and at the stop (`on_update`, `on_schedule`,
     `on_stop`; nothing here: the core's state does it all).
 
+    ``on_device``: the learners answered with parameters on the server's device (besides rank
+    0's learner, those with device channels, `channels`); the others get a host snapshot.
+
     ``place_for`` (`ServerEndpoint.place_for`, set where the server has shared-memory lanes): an
     answer that refreshes one learner alone (the async family's, mostly) is written straight into
     that learner's next slot where it is free, instead of into a snapshot that the learner's
@@ -88,8 +91,9 @@ class CentralPayloads:
     """
 
     def __init__(self, vectors: ModelVectors,
-                 place_for: Callable[[int, int, torch.dtype], torch.Tensor | None] | None = None) -> None:
-        self.vectors, self.place_for = vectors, place_for
+                 place_for: Callable[[int, int, torch.dtype], torch.Tensor | None] | None = None,
+                 on_device: frozenset[int] = frozenset()) -> None:
+        self.vectors, self.place_for, self.on_device = vectors, place_for, on_device
 
     def contribution(self, message: Message) -> Contribution:
         streams.receive(message.payload, message.ready)  # rank 0's push, on a GPU
@@ -99,7 +103,7 @@ class CentralPayloads:
         if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
             return
         state, version = core.state, core.version
-        if message.learner == 0:  # beside the server, on its device: nothing crosses the bus for it
+        if message.learner == 0 or message.learner in self.on_device:  # never through the host
             message.payload = state.snapshot(version, state.vectors.device)
             message.ready = streams.mark(message.payload)  # made on the server's stream
             return

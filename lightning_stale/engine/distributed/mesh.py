@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from lightning_stale.engine.distributed.channels import Channel
 from lightning_stale.engine.distributed.messages import Kind, Message
 from lightning_stale.engine.distributed.transport import FRAME_BYTES, recv, send
 
@@ -30,13 +31,17 @@ class DataMesh:
             receiving threads, or at once for a message to oneself).
         max_numel: the largest payload a peer may send.
         broken: called with (peer, error) when receiving from or sending to a peer fails.
+        channels: this rank's device channels by (sender, receiver) (`channels`), if any: a
+            payload on a CUDA device then goes to its peer device to device.
 
     Nothing moves before `start` (a peer's sends wait for this rank's receives).
     """
 
     def __init__(self, group, rank: int, p: int, deliver: Callable[[int, Message], None],
-                 max_numel: int, broken: Callable[[int, str], None]) -> None:
+                 max_numel: int, broken: Callable[[int, str], None],
+                 channels: dict[tuple[int, int], Channel] | None = None) -> None:
         self.group, self.rank, self.p, self.deliver = group, rank, p, deliver
+        self.channels = channels or {}
         self._max_numel, self._broken = max_numel, broken
         self._outboxes = {peer: queue.Queue() for peer in range(p) if peer != rank}
         self._threads = []
@@ -72,7 +77,7 @@ class DataMesh:
         try:
             while True:
                 message = outbox.get()
-                send(message, peer, self.group, (DATA, DATA_PAYLOAD))
+                send(message, peer, self.group, (DATA, DATA_PAYLOAD), channel=self.channels.get((self.rank, peer)))
                 if message.kind == Kind.RETIRE:
                     return
         except Exception as exc:  # noqa: BLE001 - reported, and the run ends
@@ -82,7 +87,8 @@ class DataMesh:
         buffer = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         try:
             while True:
-                message = recv(self.group, (DATA, DATA_PAYLOAD), peer, f"rank {peer}", self._max_numel, buffer)
+                message = recv(self.group, (DATA, DATA_PAYLOAD), peer, f"rank {peer}", self._max_numel, buffer,
+                               channel=self.channels.get((peer, self.rank)))
                 if message.kind == Kind.RETIRE:
                     return
                 self.deliver(peer, message)

@@ -35,7 +35,8 @@ _STRUCT = struct.Struct("<" + "".join(fmt for _, fmt in HEADER))
 # second message, so that they are not copied into a frame, or wait in shared memory.
 INLINE_PAYLOAD_BYTES = 256 * 1024
 # The header's ``inline``: where its payload travels (`transport.encode`).
-SEPARATE, INLINE, IN_LANE = 0, 1, 2  # a second gloo message, the same frame, shared memory
+# a second gloo message, the same frame, shared memory, a channel (`channels`: device to device)
+SEPARATE, INLINE, IN_LANE, ON_CHANNEL = 0, 1, 2, 3
 HEADER_BYTES = _STRUCT.size
 
 
@@ -141,7 +142,7 @@ class Message:
 
 
 def encode_header(message: Message, payload: Tensor | None, inline: int) -> bytes:
-    """``inline``: where the payload travels (`SEPARATE`, `INLINE` or `IN_LANE`)."""
+    """``inline``: where the payload travels (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`)."""
     fields = {name: getattr(message, name, 0) for name, _ in HEADER}
     fields.update(magic=MAGIC, protocol=PROTOCOL, kind=int(message.kind),
                   numel=0 if payload is None else payload.numel(),
@@ -151,7 +152,7 @@ def encode_header(message: Message, payload: Tensor | None, inline: int) -> byte
 
 def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
     """The message of a header, its payload's size and dtype, and where the payload travels
-    (`SEPARATE`, `INLINE` or `IN_LANE`).
+    (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`).
 
     Raises `TransportError` naming ``sender`` for anything that is not a header of this protocol:
     a short frame, a wrong magic number or protocol version, an unknown kind or dtype, or a
@@ -173,7 +174,7 @@ def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, in
     if not 0 <= fields["numel"] <= max_numel:
         raise TransportError(f"{sender} announced a payload of {fields['numel']} values; at most "
                              f"{max_numel} are expected")
-    if fields["inline"] not in (SEPARATE, INLINE, IN_LANE) or any(math.isinf(fields[f]) for f in ("hold", "age")):
+    if fields["inline"] not in (SEPARATE, INLINE, IN_LANE, ON_CHANNEL) or any(math.isinf(fields[f]) for f in ("hold", "age")):
         raise TransportError(f"{sender} sent a malformed header {fields}")
     message = Message(Kind(fields["kind"]), **{name: fields[name] for name in (
         "learner", "version", "epoch", "samples", "cancelled", "pushes", "flags", "dead", "seq",

@@ -36,6 +36,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_stale.engine.core import ServerCore, ServerLimits
+from lightning_stale.engine.distributed.channels import channel_pairs, open_channels
 from lightning_stale.engine.distributed.collective import CollectiveExchange, CollectivePayloads
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.mesh import DataMesh
@@ -78,6 +79,9 @@ SHARDED_MIN_TRAFFIC = 1 << 24
 # beat the sharded one at 3.5M and 13.8M parameters on 4 processes (0.96 and 0.99 x ddp's
 # samples/s against 0.80 and 0.74), and on 8 it drew level or fell behind (README, "Scaling").
 ONE_HOST_SHARDED_MIN_P = 8
+# A timeout of a channel's group ends the process (NCCL's watchdog): a learner frozen for hours
+# with a payload on its way is a straggler, not a reason to end the run.
+CHANNEL_TIMEOUT = datetime.timedelta(days=7)
 
 
 def path_problem(path: str, variant_name: str, on_learner_failure: str,
@@ -145,6 +149,24 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
     return scaled if ok else "central"
 
 
+def channel_backend(wanted: bool | None, path: str, world: int, default_backend: str | None,
+                    device: torch.device, on_learner_failure: str) -> str | None:
+    """The backend of the device channels (`channels`) for `StaleStrategy`'s
+    ``payload_channels`` (None: auto), or None for none: NCCL where the default group runs on it
+    (auto: unless dead learners are to be survived), gloo on CPU when asked for."""
+    if wanted is False or world < 2 or not channel_pairs(path, world):
+        return None
+    if default_backend == "nccl":
+        return "nccl" if wanted or on_learner_failure == "stop" else None
+    if wanted and device.type == "cpu":
+        return "gloo"
+    if wanted:
+        raise ValueError(f"payload_channels=True needs NCCL for payloads on {device.type} devices, but "
+                         f"the default process group runs on {default_backend!r}: use "
+                         "process_group_backend='nccl', or leave payload_channels unset")
+    return None
+
+
 def overlaps(variant: Variant, adaptive: AdaptiveK | None) -> bool:
     """Whether every update takes one gradient from every learner, so that learners can reduce
     their gradients during backward (`engine.distributed.overlap`): Fully sync, and K-sync with
@@ -166,6 +188,8 @@ class RankOptions:
     shared_memory: bool = True
     overlap: bool = False  # collective path: the all-reduce during backward (the strategy decides)
     shutdown_timeout: float = 60.0
+    # central and sharded paths: the backend of the device channels (`channels`), None for none
+    channels: str | None = None
 
 
 def settle_path(path: str, variant: Variant, module: nn.Module, group, rank: int, on_learner_failure: str,
@@ -192,6 +216,10 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
     the central path's, where `settle_path` opened them."""
     vectors = ModelVectors.of(module)
     exchange = owner = payloads = server = None
+    channels = {}
+    if options.channels and group is not None:  # every rank creates every group, in this order
+        channels = open_channels(rank, channel_pairs(options.path, variant.p), options.channels,
+                                 vectors.device, CHANNEL_TIMEOUT)
     if options.path in ("collective", "sharded"):
         # Every learner starts from rank 0's parameters, as DDP does (each rank's owner too).
         state = vectors.state_vector(device=vectors.device)
@@ -199,7 +227,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         vectors.load_state(state)
     if options.path == "sharded":
         exchange, owner, payloads = _sharded_rank(rank, group, module, optimizer, schedulers, variant.p,
-                                                  vectors, lambda: server)
+                                                  vectors, lambda: server, channels)
     elif options.path == "collective":
         schedules = Schedules(schedulers, optimizer)
         if resume is not None:
@@ -212,7 +240,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                                               seconds=options.shutdown_timeout)), device)
         exchange = CollectiveExchange(vectors, optimizer, schedules, rank, device, clip, overlap=overlap)
     slot_bytes = slot_bytes_for(vectors.max_push_numel(), vectors.dtype)
-    if options.path != "central":
+    if options.path != "central" or channels:  # (device channels: the payloads stay on the device)
         lanes = {}
     elif lanes is None and group is not None and slot_bytes > INLINE_PAYLOAD_BYTES:
         # (smaller payloads travel inside their header's frame.) Collective: every rank takes
@@ -228,14 +256,14 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
             state = ServerState(module, optimizer, schedulers, clip=clip)
             core = ServerCore(variant, state, limits, options.adaptive, options.compensation,
                               clock=time.monotonic())
-            payloads = CentralPayloads(vectors)
+            payloads = CentralPayloads(vectors, on_device=frozenset(dst for src, dst in channels if src == 0))
         if resume is not None:
             core.load_state_dict(resume)
         server = ParameterServer(core, payloads, options.on_learner_failure)
         # (K = 1: every push is decided on arrival, so the server reads it in its slot)
         server_endpoint = ServerEndpoint(group, variant.p, server.events.put, queue.Queue(),
                                          vectors.max_push_numel(), owner.commands if owner else None, lanes,
-                                         lend_pushes=lambda: core.rules.k == 1)
+                                         lend_pushes=lambda: core.rules.k == 1, channels=channels)
         if isinstance(payloads, ShardedPayloads):
             payloads.send = server_endpoint.send
         elif isinstance(payloads, CentralPayloads) and lanes:
@@ -244,10 +272,11 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         server.start(server_endpoint)
     else:
         endpoint = LearnerEndpoint(rank, group, vectors.state_numel, owner=owner.commands if owner else None,
-                                   lanes=lanes.get(0))
+                                   lanes=lanes.get(0), channels=channels)
     if owner is not None:
         owner.start(endpoint, server)
-    if exchange is None and rank == 0:  # central: beside the server, its pushes stay on the device
+    if exchange is None and (rank == 0 or channels):
+        # central: the pushes stay on the device, beside the server or on their channel
         exchange = CentralExchange(vectors, device=vectors.device)
     learner = Learner(endpoint, vectors, options.delay, exchange=exchange,
                       waits_for_answer=variant.pusher_needs_answer,
@@ -258,7 +287,8 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
 
 
 def _sharded_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedulers: list, p: int,
-                  vectors: ModelVectors, server_of: Callable[[], ParameterServer | None]):
+                  vectors: ModelVectors, server_of: Callable[[], ParameterServer | None],
+                  channels: dict):
     """This rank's exchange, shard owner and (rank 0) the server's payloads, joined by a mesh."""
     layout = ShardLayout([t.numel() for t in vectors.params], vectors.buffer_numel, p)
     state = ServerState(module, optimizer, schedulers, buffers=rank == 0, tensors=layout.tensors[rank])
@@ -281,7 +311,7 @@ def _sharded_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, sch
             parts["owner"].broken(error)
 
     # A state message holds an optimizer's state: far more than the model's values, at most.
-    mesh = DataMesh(group, rank, p, deliver, 32 * vectors.max_push_numel() + (1 << 20), broken)
+    mesh = DataMesh(group, rank, p, deliver, 32 * vectors.max_push_numel() + (1 << 20), broken, channels)
     parts["owner"] = owner = ShardOwner(rank, state, mesh)
     parts["exchange"] = exchange = ShardedExchange(vectors, layout, rank, mesh, owner)
     mesh.start()

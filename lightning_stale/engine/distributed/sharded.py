@@ -183,6 +183,8 @@ class ShardOwner:
     def _apply(self, command: Message) -> None:
         orders = command.payload.view(-1, 3).tolist()
         pieces = [self._take(int(learner), int(seq)) for learner, seq, _ in orders]
+        for m in pieces:
+            streams.receive(m.payload, m.ready)  # a piece on the device: from its channel or learner
         empty = torch.zeros(0, dtype=self.state.vectors.dtype)  # the piece of an owner of no tensor
         contributions = [self.state.vectors.split_push(m.payload if m.payload is not None else empty,
                                                        bool(m.flags & Flag.MASKED)) for m in pieces]
@@ -206,9 +208,12 @@ class ShardOwner:
             return self._pieces.pop((learner, seq))
 
     def _send(self, command: Message) -> None:
+        # On the device where the slice can go device to device (channels), else in host memory.
+        device = self.state.vectors.device if self.mesh.channels else None
+        payload = self.state.snapshot(self.version, device)
         self.mesh.send(command.learner, Message(Kind.SLICE, command.learner, self.version,
-                                                delivery=command.delivery,
-                                                payload=self.state.snapshot(self.version)))
+                                                delivery=command.delivery, payload=payload,
+                                                ready=streams.mark(payload)))
 
     def _schedule(self, command: Message) -> None:
         metrics = json.loads(payload_text(command.payload))
@@ -238,12 +243,14 @@ class ShardedExchange:
                  owner: ShardOwner) -> None:
         self.vectors, self.layout, self.rank, self.mesh, self.owner = vectors, layout, rank, mesh, owner
         self.seq = 0
-        self._slices: dict[int, dict[int, Tensor]] = {}  # delivery -> owner -> slice
+        self._slices: dict[int, dict[int, Message]] = {}  # delivery -> owner -> SLICE
         self._resolved: tuple[int, list[Tensor]] = (0, [])  # the latest PARAMS/STOP's slices
         self._arrived = threading.Condition()
 
     def fill_push(self, message: Message) -> None:
-        message.payload, masked = self.vectors.push_vector()
+        # On the device where the pieces can go device to device (channels), else in host memory.
+        device = self.vectors.device if self.mesh.channels else None
+        message.payload, masked = self.vectors.push_vector(device=device)
         if masked:
             message.flags |= Flag.MASKED
 
@@ -260,18 +267,19 @@ class ShardedExchange:
             return
         masked = bool(message.flags & Flag.MASKED)
         for owner in range(self.layout.p):
+            piece = self.layout.piece(vector, owner, masked)
             self.mesh.send(owner, Message(Kind.PIECE, self.rank, message.version, seq=self.seq,
-                                          flags=message.flags & Flag.MASKED,
-                                          payload=self.layout.piece(vector, owner, masked)))
+                                          flags=message.flags & Flag.MASKED, payload=piece,
+                                          ready=streams.mark(piece)))
 
     def after_push(self, message: Message) -> None:
         pass
 
     def put_slice(self, owner: int, message: Message) -> None:
-        empty = torch.zeros(0, dtype=self.vectors.dtype)  # an owner of no tensor sends nothing
+        if message.payload is None:  # an owner of no tensor sends nothing
+            message.payload = torch.zeros(0, dtype=self.vectors.dtype)
         with self._arrived:
-            self._slices.setdefault(message.delivery, {})[owner] = (
-                message.payload if message.payload is not None else empty)
+            self._slices.setdefault(message.delivery, {})[owner] = message
             self._arrived.notify_all()
 
     def resolve(self, message: Message, check: Callable[[], None]) -> None:
@@ -285,7 +293,9 @@ class ShardedExchange:
             slices = self._slices.pop(message.delivery)
             for delivery in [d for d in self._slices if d < message.delivery]:
                 del self._slices[delivery]  # skipped: a newer delivery superseded them
-        slices = [slices[o] for o in range(self.layout.p)]
+        for m in slices.values():
+            streams.receive(m.payload, m.ready)  # a slice on the device: from its channel or owner
+        slices = [slices[o].payload for o in range(self.layout.p)]
         if message.kind == Kind.EPOCH:  # kept whole: validation loads it later
             message.payload = self.layout.join(slices)
         else:  # loaded straight from the slices by `take`

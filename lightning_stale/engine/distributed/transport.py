@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_stale.engine import streams
+from lightning_stale.engine.distributed.channels import Channel
 from lightning_stale.engine.distributed.lanes import Lane, LaneClosed
 from lightning_stale.engine.distributed.messages import (HEADER_BYTES, IN_LANE, INLINE, INLINE_PAYLOAD_BYTES,
-                                                         OWNER_KINDS, SEPARATE, Kind, Message,
+                                                         ON_CHANNEL, OWNER_KINDS, SEPARATE, Kind, Message,
                                                          TransportError, coalesce, decode_header,
                                                          encode_header, payload_text)
 
@@ -44,13 +46,19 @@ _LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these on a downlink
 
 
 def encode(message: Message, lane: Lane | None = None,
-           closed: Callable[[], str | None] = lambda: None) -> tuple[Tensor, Tensor | None]:
+           closed: Callable[[], str | None] = lambda: None,
+           channel: Channel | None = None) -> tuple[Tensor, Tensor | None]:
     """The frame to send first (header, and the payload if it is small) and the payload to send
-    after it, or None. A large payload that fits ``lane`` is written there instead (waiting for
-    a free slot until ``closed`` gives a reason)."""
+    after it (on ``channel``, where there is one), or None. A large payload goes on ``channel``
+    where there is one, else into ``lane`` where it fits (waiting for a free slot until
+    ``closed`` gives a reason); a CUDA payload that does not go on a channel is copied to host
+    memory first."""
     payload = None if message.payload is None else message.payload.reshape(-1)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+    if payload is not None and payload.is_cuda and (channel is None or nbytes <= INLINE_PAYLOAD_BYTES):
+        payload = streams.to_host(payload, message.ready)
     where = (SEPARATE if payload is None else INLINE if nbytes <= INLINE_PAYLOAD_BYTES else
+             ON_CHANNEL if channel is not None else
              IN_LANE if lane is not None and lane.carries(nbytes) else SEPARATE)
     frame = torch.empty(HEADER_BYTES + (nbytes if where == INLINE else 0), dtype=torch.uint8)
     frame[:HEADER_BYTES] = torch.frombuffer(bytearray(encode_header(message, payload, where)),
@@ -79,18 +87,22 @@ def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, to
 
 
 def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | None = None,
-         closed: Callable[[], str | None] = lambda: None) -> None:
-    frame, payload = encode(message, lane, closed)
+         closed: Callable[[], str | None] = lambda: None, channel: Channel | None = None) -> None:
+    frame, payload = encode(message, lane, closed, channel)
     dist.send(frame, dst=dst, group=group, tag=tags[0])
-    if payload is not None:
+    if payload is not None and channel is not None:  # (encode left it for the channel)
+        channel.send(payload, message.ready)
+    elif payload is not None:
         dist.send(payload.contiguous(), dst=dst, group=group, tag=tags[1])
 
 
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
-         buffer: Tensor | None = None, lane: Lane | None = None, lend: tuple[Kind, ...] = ()) -> Message:
+         buffer: Tensor | None = None, lane: Lane | None = None, lend: tuple[Kind, ...] = (),
+         channel: Channel | None = None) -> Message:
     """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop;
     ``lane``: the sender's shared-memory lane to this process, if any; messages of the kinds in
-    ``lend`` keep their payload there (`Lane.lend`)."""
+    ``lend`` keep their payload there (`Lane.lend`); ``channel``: the sender's channel to this
+    process, if any (its payloads come with ``Message.ready``)."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
     dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
     message, numel, dtype, where = decode(frame, sender, max_numel)
@@ -102,6 +114,11 @@ def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
             lane.lend(message, numel, dtype)
         else:
             message.payload = lane.read(numel, dtype)
+    elif numel and where == ON_CHANNEL:
+        if channel is None:
+            raise TransportError(f"{sender} sent a payload on a device channel, which this process "
+                                 "has not opened with it")
+        message.payload, message.ready = channel.recv(numel, dtype)
     elif numel and where == SEPARATE:
         message.payload = torch.empty(numel, dtype=dtype)
         dist.recv(message.payload, src=src, group=group, tag=tags[1])
@@ -126,6 +143,7 @@ class ServerEndpoint:
         lend_pushes: whether a push arriving through a lane now is handed over in its slot
             (`lanes.LentPayload`) instead of copied out: where every push is decided at once
             (K = 1), the server reads the gradient there and the slot is free again after.
+        channels: the device channels of this rank by (sender, receiver) (`channels`), if any.
 
     Messages are sent from one thread (the server's), which may write a payload straight into
     a learner's next slot (`place_for`).
@@ -134,8 +152,10 @@ class ServerEndpoint:
     def __init__(self, group, num_learners: int, deliver: Callable[[Message], None],
                  local_inbox: queue.Queue, max_numel: int, local_owner: queue.Queue | None = None,
                  lanes: dict[int, tuple[Lane, Lane]] | None = None,
-                 lend_pushes: Callable[[], bool] = lambda: False) -> None:
+                 lend_pushes: Callable[[], bool] = lambda: False,
+                 channels: dict[tuple[int, int], Channel] | None = None) -> None:
         self.group, self.num_learners, self.deliver = group, num_learners, deliver
+        self._channels = channels or {}
         self._lanes, self._lend_pushes = lanes or {}, lend_pushes
         self._gone: set[int] = set()  # learners forgotten or whose connection broke
         self.local_inbox, self.local_owner = local_inbox, local_owner
@@ -171,6 +191,11 @@ class ServerEndpoint:
             (self.local_owner if message.kind in OWNER_KINDS else self.local_inbox).put(message)
         else:
             self._outboxes[learner].put(message)
+
+    @property
+    def payloads_on_channels(self) -> int:
+        """Payloads this rank sent or received on device channels so far (its mesh's too)."""
+        return sum(channel.carried for channel in self._channels.values())
 
     def place_for(self, learner: int, numel: int, dtype: torch.dtype) -> Tensor | None:
         """Where the next message's payload of ``numel`` values to ``learner`` can be written now,
@@ -227,7 +252,7 @@ class ServerEndpoint:
             while True:
                 lend = (Kind.PUSH,) if lane is not None and self._lend_pushes() else ()
                 message = recv(self.group, (UP, UP_DATA), learner, f"learner {learner}",
-                               self._max_numel, buffer, lane, lend)
+                               self._max_numel, buffer, lane, lend, self._channels.get((learner, 0)))
                 message.learner = learner
                 if message.kind in (Kind.ABORT, Kind.INTERRUPT):
                     message.error = payload_text(message.payload)
@@ -242,6 +267,7 @@ class ServerEndpoint:
     def _send_loop(self, learner: int) -> None:
         outbox = self._outboxes[learner]
         lane = self._lanes.get(learner, (None, None))[0]
+        channel = self._channels.get((0, learner))
 
         def closed() -> str | None:
             return f"learner {learner} is gone" if learner in self._gone else None
@@ -255,7 +281,7 @@ class ServerEndpoint:
                     return
                 for message in coalesce(pending):
                     self._stamp(learner, message)
-                    send(message, learner, self.group, (DOWN, DOWN_DATA), lane, closed)
+                    send(message, learner, self.group, (DOWN, DOWN_DATA), lane, closed, channel)
                     if message.kind in _LAST:
                         return
                 for _ in pending:  # (after the sends: its lane's next slot is settled)
@@ -287,6 +313,7 @@ class LearnerEndpoint:
             to it come on the same connection, and go there instead of the inbox.
         lanes: (lane to send on, lane to receive on) shared with the server on this host, or
             None (`lanes.open_lanes`).
+        channels: the device channels of this rank by (sender, receiver) (`channels`), if any.
 
     ``last_heard`` is when the server was last heard from (every message counts, heartbeats
     too), ``failure`` why the run failed, as soon as the receiving thread knows (an ABORT, a
@@ -296,8 +323,11 @@ class LearnerEndpoint:
     """
 
     def __init__(self, rank: int, group, max_numel: int, local_server: ServerEndpoint | None = None,
-                 owner: queue.Queue | None = None, lanes: tuple[Lane, Lane] | None = None) -> None:
+                 owner: queue.Queue | None = None, lanes: tuple[Lane, Lane] | None = None,
+                 channels: dict[tuple[int, int], Channel] | None = None) -> None:
         self.rank, self.group, self.owner = rank, group, owner
+        channels = channels or {}
+        self._up, self._down = channels.get((rank, 0)), channels.get((0, rank))
         self._lanes = lanes or (None, None)
         self._max_numel = max(max_numel, MAX_REASON_BYTES)
         self._local_server = local_server
@@ -332,7 +362,7 @@ class LearnerEndpoint:
             self._local_server.receive_local(message)
             return
         with self._send_lock:
-            send(message, 0, self.group, (UP, UP_DATA), self._lanes[0], self._failed)
+            send(message, 0, self.group, (UP, UP_DATA), self._lanes[0], self._failed, self._up)
 
     def _failed(self) -> str | None:
         return self.failure  # (read by a writer waiting for a slot of its lane)
@@ -344,7 +374,7 @@ class LearnerEndpoint:
                 # Parameters and the stop are loaded straight out of their slot (`LentPayload`);
                 # an epoch's parameters are kept for validation, so they are copied out.
                 message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self._max_numel, buffer,
-                               self._lanes[1], lend=(Kind.PARAMS, Kind.STOP))
+                               self._lanes[1], lend=(Kind.PARAMS, Kind.STOP), channel=self._down)
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
                     message.error = self.failure = payload_text(message.payload)

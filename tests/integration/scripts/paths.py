@@ -2,7 +2,8 @@
 'auto' would pick at scale (forced here on a small model), the counts, the loss, every rank
 ending with the same parameters, and checkpoints that resume on another path. Then the central
 path with a model whose pushes and answers are too large for a header's frame: on one host they
-travel through shared memory (and over gloo with ``shared_memory=False``). Under ``sync`` the
+travel through shared memory (and over gloo with ``shared_memory=False``), or on device channels
+(gloo groups here) with the sharded path's pieces and slices too. Under ``sync`` the
 collective path reduces during backward, on every learner alike, ending where reducing after the
 decision ends, and a stop asked for inside a batch leaves no round waiting."""
 
@@ -136,6 +137,19 @@ for name, k, lanes in [("k_batch_async", 2, True), ("k_sync", 3, True), ("k_asyn
         results[f"{name}@central" + ("" if lanes else "-gloo")] = {
             **summary(trainer, capture), "same_everywhere": same,
             "parameters": sum(p.numel() for p in module.parameters())}
+
+# Payloads on channels, one gloo group per direction between two ranks (NCCL's way on GPUs):
+# central with whole-model payloads, sharded with 0.4M parameters, so that two owners' pieces and
+# slices exceed a frame (the others' travel in it).
+for name, k, path, hidden in [("k_async", 2, "central", WIDE), ("k_batch_async", 2, "sharded", (1024, 320))]:
+    module = model(hidden=hidden, lr=0.05)
+    delay = ShiftedExponential(shift=0.002, mean=0.01, seed=1)
+    trainer, capture = fit(StaleStrategy(name, k, delay=delay, server=path, payload_channels=True,
+                                         record_trace=False), module, 40)
+    same = same_everywhere(module)
+    if trainer.global_rank == 0:
+        results[f"{name}@{path}-channels"] = {**summary(trainer, capture), "same_everywhere": same,
+                                              "parameters": sum(p.numel() for p in module.parameters())}
 
 # A checkpoint written during training on the sharded path (gathered from every owner), resumed
 # on the central path; one written after fit on the collective path, resumed on the sharded one.

@@ -1,0 +1,78 @@
+"""Payloads straight from device to device: a point-to-point group for every direction between
+two ranks, on the default group's backend (NCCL on GPUs).
+
+The header of a message still travels on the server traffic's gloo group (`transport`); where a
+channel to the receiver exists, a payload on a CUDA device follows it on that channel instead of
+being copied to host memory, sent over gloo and copied back. Why a group per direction, not per
+pair: NCCL runs the point-to-point operations of one communicator in order on one stream, so a
+pair whose two ranks both send first (a push up while an answer comes down) would wait for each
+other's receives forever; and in each direction one sending thread and one receiving thread
+post the payloads in the order of their headers, which is the order NCCL pairs them in.
+
+Streams (`engine.streams`): a sender waits on the host until its payload is complete before it
+posts the send, and a channel's operations run on a stream of its own, so nothing on a channel
+waits on the GPU for another stream (where the training thread's collectives may hold it); a
+received payload is handed to its reader with an event (``Message.ready``).
+
+On the CPU the channels are gloo groups carrying host tensors: the same code, which the tests run
+(`StaleStrategy(payload_channels=True)`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_stale.engine import streams
+
+
+class Channel:
+    """One direction between two ranks: ``src`` sends, ``dst`` receives (the one end this rank
+    holds), on ``group``; ``device``: where received payloads are put."""
+
+    def __init__(self, group, src: int, dst: int, device: torch.device) -> None:
+        self.group, self.src, self.dst, self.device = group, src, dst, device
+        self.stream = streams.side_stream(device)
+        self.carried = 0  # payloads sent or received on it (by this rank)
+
+    def send(self, payload: Tensor, ready) -> None:
+        if ready is not None:
+            ready.synchronize()  # complete before it is posted: see the module docstring
+        with streams.on(self.stream):
+            dist.send(payload.contiguous(), dst=self.dst, group=self.group)
+        self.carried += 1
+
+    def recv(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, object]:
+        """The next payload, and the event after which it is there (None off CUDA)."""
+        with streams.on(self.stream):
+            payload = torch.empty(numel, dtype=dtype, device=self.device)
+            dist.recv(payload, src=self.src, group=self.group)
+            self.carried += 1
+            return payload, streams.mark(payload)
+
+
+def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
+    """The (sender, receiver) directions a path's payloads take: the central path's between
+    every learner and rank 0, the sharded path's between every two ranks."""
+    if path == "central":
+        return [pair for learner in range(1, p) for pair in ((learner, 0), (0, learner))]
+    if path == "sharded":
+        return [(a, b) for a in range(p) for b in range(p) if a != b]
+    return []
+
+
+def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, device: torch.device,
+                  timeout: datetime.timedelta) -> dict[tuple[int, int], Channel]:
+    """A `Channel` for every direction of ``pairs`` that involves ``rank``, keyed by (sender,
+    receiver); collective: every rank calls it with the same pairs (each group is created by
+    all)."""
+    channels = {}
+    for src, dst in pairs:
+        group = dist.new_group([src, dst], backend=backend, timeout=timeout)
+        if rank in (src, dst):
+            channels[(src, dst)] = Channel(group, src, dst, device)
+    return channels
