@@ -4,14 +4,16 @@ Runs the six variants of `StaleStrategy` on each server path with Lightning's de
 on NCCL, and checks what only a GPU run can show:
 
 * central (every variant): the default group is NCCL while the server's group is gloo; the
-  learners' and the server's parameters live on the GPU; gradients and parameters travel as CPU
-  vectors and come back to the device; after fit the module holds the server's parameters;
+  learners' and the server's parameters live on the GPU; with several GPUs on NCCL, payloads
+  larger than a header's frame travel GPU to GPU on device channels (``payload_channels``, a
+  NCCL group per direction; ``--hidden 1024 320`` makes them that large), else as CPU vectors;
+  after fit the module holds the server's parameters;
 * collective (the sync family): the K gradients of an update meet in an all-reduce of CUDA
   tensors on the default (NCCL) group, and every learner steps its own optimizer on the GPU;
   under ``sync`` the all-reduce runs in buckets during backward, on an NCCL group of its own,
   launched from the autograd hooks (``overlapped``: updates reduced so, on rank 0);
 * sharded (the async family): every rank's owner holds its shard on the GPU; pieces and slices
-  travel as CPU vectors;
+  travel on device channels like the central path's payloads;
 
 and on every path: every gradient is counted, the loss falls, every learner ends with the same
 parameters, on its GPU.
@@ -26,7 +28,7 @@ path then runs with CUDA tensors through it on a machine of one GPU, NCCL aside.
 script itself.
 
     python benchmarks/gpu_check.py [--devices 2] [--learners-per-gpu 2] [--updates 60]
-        [--precision 16-mixed] [--accelerator gpu]
+        [--precision 16-mixed] [--accelerator gpu] [--hidden 1024 320] [--payload-channels on]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from _common import apply_process_settings, base_parser, is_rank_zero, prepare_o
 from lightning_stale import StaleStrategy
 from lightning_stale.data import DigitsDataModule
 from lightning_stale.delays import ShiftedExponential
+from lightning_stale.engine.distributed.messages import INLINE_PAYLOAD_BYTES
 from lightning_stale.models import MLP, Classifier
 
 VARIANTS = ("sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async")
@@ -81,14 +84,15 @@ def same_on_every_rank(model) -> bool:
 def check(name: str, path: str, args) -> dict:
     seed_everything(args.seed, verbose=False)
     dm = DigitsDataModule(batch_size=32)
-    model = Classifier(MLP(dm.input_shape, dm.num_classes), lr=0.1)
+    hidden = {} if args.hidden is None else {"hidden_sizes": tuple(args.hidden)}
+    model = Classifier(MLP(dm.input_shape, dm.num_classes, **hidden), lr=0.1 if args.hidden is None else 0.05)
     sharing = {}
     if args.learners_per_gpu > 1:  # NCCL refuses two ranks on one GPU: the default group on gloo
         sharing = dict(parallel_devices=[torch.device("cuda", i) for i in range(args.devices)
                                          for _ in range(args.learners_per_gpu)],
                        process_group_backend="gloo")
     strategy = StaleStrategy(name, delay=ShiftedExponential(shift=0.002, mean=0.01, seed=args.seed),
-                             record_trace=False, server=path, **sharing)
+                             record_trace=False, server=path, payload_channels=args.channels, **sharing)
     placement = Placement()
     trainer = Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.updates,
                       precision=args.precision, strategy=strategy, callbacks=[placement], logger=False, enable_checkpointing=False,
@@ -116,6 +120,9 @@ def check(name: str, path: str, args) -> dict:
         "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
         "overlapped": trainer.strategy.overlapped_updates,
         "scaler": getattr(trainer.strategy.precision_plugin, "scaler", None) is not None,
+        "channels": stats.get("payload_channels"), "on_channels": stats.get("payloads_on_channels", 0),
+        # (fp32 bytes; x 4: even a sharded piece, on up to 4 owners, exceeds a frame)
+        "large_payloads": 4 * sum(p.numel() for p in model.parameters()) > 4 * INLINE_PAYLOAD_BYTES,
     }
 
 
@@ -126,9 +133,15 @@ def main() -> None:
     parser.add_argument("--learners-per-gpu", type=int, default=1,
                         help="learner processes on each GPU; above 1 the default group runs on gloo")
     parser.add_argument("--updates", type=int, default=60)
+    parser.add_argument("--payload-channels", dest="channels", default="auto", choices=["auto", "on", "off"],
+                        help="StaleStrategy(payload_channels=): auto (NCCL only), on (gloo groups on CPU), off")
+    parser.add_argument("--hidden", type=int, nargs="+", default=None,
+                        help="the MLP's hidden widths (default: the digits MLP's, 19k parameters, whose "
+                             "payloads fit a header's frame; 1024 320: 0.4M, payloads on channels)")
     parser.add_argument("--precision", default="32-true",
                         help="the Trainer's precision (on CUDA, 16-mixed runs with a gradient scaler)")
     args = parser.parse_args()
+    args.channels = {"auto": None, "on": True, "off": False}[args.channels]
     apply_process_settings(args)
     if args.devices is None:
         args.devices = torch.cuda.device_count() if args.accelerator == "gpu" else 2
@@ -147,6 +160,9 @@ def main() -> None:
         return
     expected_device = "cuda" if args.accelerator == "gpu" else "cpu"
     expected_default = "nccl" if args.accelerator == "gpu" and args.learners_per_gpu == 1 else "gloo"
+    # device channels where NCCL runs between several learners (auto), on the paths with payloads
+    channels = (None if learners == 1 or args.channels is False else
+                "nccl" if expected_default == "nccl" else "gloo" if args.channels else None)
     failed = [f"{r['variant']}@{r['path']}" for r in rows
               if not (r["counts_balance"] and r["module_matches_server"] and r["same_on_every_rank"]
                       and r["loss_last_10"] < r["loss_first_10"]
@@ -156,6 +172,8 @@ def main() -> None:
                       and r["module_device"].startswith(expected_device)
                       and r["server_device"].startswith(expected_device)
                       and r["default_backend"] == expected_default
+                      and r["channels"] == (channels if r["path"] in ("central", "sharded") else None)
+                      and (r["on_channels"] > 0) == bool(r["channels"] and r["large_payloads"])
                       and r["server_backend"] == ("gloo" if learners > 1 else "(P = 1: queues)"))]
     print(table(rows, list(rows[0])))
     paths = write_results(prepare_out(args.out), "gpu_check", rows,

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from lightning_stale.engine.core import ServerCore, ServerLimits
-from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, Flag, Kind, Message, TransportError,
-                                                         coalesce, payload_text, text_payload)
+from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, INLINE, ON_CHANNEL, SEPARATE, Flag, Kind,
+                                                         Message, TransportError, coalesce, payload_text,
+                                                         text_payload)
 from lightning_stale.engine.distributed.central import CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.transport import (FRAME_BYTES, INLINE_PAYLOAD_BYTES, ServerEndpoint,
@@ -316,6 +317,22 @@ def test_a_large_payload_follows_its_header_without_a_copy():
     assert frame.numel() == HEADER_BYTES and separate.data_ptr() == payload.data_ptr()
     decoded, numel, dtype, inline = decode(frame, "the server", payload.numel())
     assert (numel, dtype, inline) == (payload.numel(), torch.float32, False) and decoded.payload is None
+
+
+@pytest.mark.parametrize("channel_device,size,where", [
+    ("cpu", INLINE_PAYLOAD_BYTES // 4 + 1, ON_CHANNEL),  # a channel of its device: on it
+    ("cuda", INLINE_PAYLOAD_BYTES // 4 + 1, SEPARATE),  # a host payload beside NCCL: over gloo
+    ("cpu", 10, INLINE),  # small: in the frame, channel or not
+])
+def test_a_large_payload_goes_on_a_channel_of_its_device_and_the_header_says_so(channel_device, size, where):
+    from types import SimpleNamespace
+
+    payload = torch.zeros(size)
+    channel = SimpleNamespace(device=torch.device(channel_device))
+    frame, after = encode(Message(Kind.PUSH, version=2, payload=payload), channel=channel)
+    decoded, numel, dtype, inline = decode(frame, "learner 1", size)
+    assert (numel, inline) == (size, where)
+    assert (after is None) == (where == INLINE)
 
 
 @pytest.mark.parametrize("kind", [Kind.ABORT, Kind.INTERRUPT])

@@ -45,6 +45,14 @@ MAX_REASON_BYTES = 1 << 16
 _LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these on a downlink
 
 
+def _carrier(payload: Tensor | None, channel: Channel | None) -> Channel | None:
+    """``channel`` where it carries ``payload``'s kind of device (a host payload, e.g. a report
+    or saved optimizer state, goes over gloo where the channel is NCCL's)."""
+    if payload is None or channel is None or payload.device.type != channel.device.type:
+        return None
+    return channel
+
+
 def encode(message: Message, lane: Lane | None = None,
            closed: Callable[[], str | None] = lambda: None,
            channel: Channel | None = None) -> tuple[Tensor, Tensor | None]:
@@ -55,6 +63,7 @@ def encode(message: Message, lane: Lane | None = None,
     memory first."""
     payload = None if message.payload is None else message.payload.reshape(-1)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+    channel = _carrier(payload, channel)
     if payload is not None and payload.is_cuda and (channel is None or nbytes <= INLINE_PAYLOAD_BYTES):
         payload = streams.to_host(payload, message.ready)
     where = (SEPARATE if payload is None else INLINE if nbytes <= INLINE_PAYLOAD_BYTES else
@@ -90,7 +99,8 @@ def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | 
          closed: Callable[[], str | None] = lambda: None, channel: Channel | None = None) -> None:
     frame, payload = encode(message, lane, closed, channel)
     dist.send(frame, dst=dst, group=group, tag=tags[0])
-    if payload is not None and channel is not None:  # (encode left it for the channel)
+    channel = _carrier(payload, channel)
+    if payload is not None and channel is not None:  # (a payload left by encode goes on it)
         channel.send(payload, message.ready)
     elif payload is not None:
         dist.send(payload.contiguous(), dst=dst, group=group, tag=tags[1])
