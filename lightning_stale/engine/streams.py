@@ -41,7 +41,7 @@ def running_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
         yield
         return
     try:
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):  # (a new thread is on GPU 0)
             yield
     finally:
         stream.synchronize()
@@ -53,7 +53,7 @@ def on(stream: torch.cuda.Stream | None) -> Iterator[None]:
     if stream is None:
         yield
         return
-    with torch.cuda.stream(stream):
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
         yield
 
 
@@ -91,7 +91,7 @@ def to_host(tensor: Tensor, ready: torch.cuda.Event | None) -> Tensor:
     stream = _copy_streams.get(tensor.device)
     if stream is None:
         stream = _copy_streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
-    with torch.cuda.stream(stream):
+    with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
         return tensor.cpu()
 
 
@@ -107,7 +107,7 @@ def reading(stream: torch.cuda.Stream | None) -> Iterator[None]:
     reader = torch.cuda.Stream(stream.device)
     reader.wait_stream(stream)
     try:
-        with torch.cuda.stream(reader):
+        with torch.cuda.device(stream.device), torch.cuda.stream(reader):
             yield
     finally:
         reader.synchronize()
