@@ -37,7 +37,10 @@ class ServerCheckpoint:
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
-        self._gathered: tuple | None = None  # (vector, optimizer state, schedulers, version)
+        # One instant of the server's state for the parts of one checkpoint, which Lightning reads
+        # one after the other while the server steps on: sharded (vector, optimizer state,
+        # schedulers, version); central (parameters by name, optimizer state, books).
+        self._gathered: tuple | None = None
         self._requests = FINAL
         self._warned = False  # about a checkpoint after a failure on the sharded path
 
@@ -60,12 +63,12 @@ class ServerCheckpoint:
             return state_dict
         if not self._live or s.path == "collective":
             return state_dict
+        self._gathered = None  # a checkpoint begins here: its instant is now
         if s.path == "sharded":
             vector, *_ = self._gather()
             state_dict.update(named_state(s.lightning_module, vector))
         else:
-            with s._server.reading():
-                state_dict.update(s._server.core.state.named_state(s.lightning_module))
+            state_dict.update(self._held()[0])
         return state_dict
 
     def _warn_lost(self) -> None:
@@ -83,13 +86,12 @@ class ServerCheckpoint:
         if s.path == "sharded":
             _, optimizer_state, *_ = self._gather()
             return optimizer_state
-        with s._server.reading():  # a copy: the server steps on in place once this ends
-            return copy.deepcopy(s._server.core.state.optimizer.state_dict())
+        return self._held()[1]
 
     def engine_state(self) -> dict:
         """The server's books, matching the parameters saved beside them."""
         s = self.strategy
-        saved = s._server.state_dict()
+        saved = self._held()[2] if self._live and s.path == "central" else s._server.state_dict()
         if self._lost:
             version = s._learner.version if s._learner is not None else saved["version"]
             saved.update(version=version, updates=version, schedulers=[])
@@ -114,6 +116,18 @@ class ServerCheckpoint:
             _, saved, _ = s._server.payloads.gathered(FINAL, s.check_server)
             optimizer.load_state_dict(assemble_optimizer_state(
                 optimizer, s.shard_layout, s.shard_params, saved))
+
+    def _held(self) -> tuple:
+        """The central server's parameters, optimizer state and books at one instant, copied (the
+        server steps in place once its lock is released)."""
+        if self._gathered is None:
+            s = self.strategy
+            with s._server.reading():
+                state = s._server.core.state
+                self._gathered = (state.named_state(s.lightning_module),
+                                  copy.deepcopy(state.optimizer.state_dict()),
+                                  copy.deepcopy(s._server.core.state_dict()))
+        return self._gathered
 
     def _gather(self) -> tuple:
         if self._gathered is None:

@@ -476,9 +476,9 @@ def test_a_push_read_in_its_slot_during_an_epochs_end_is_copied_out_and_held(tmp
     assert server.core.state.params[0].tolist() == [[-5.0, -5.0, -5.0]]  # 0 - 1 - 4
 
 
-def test_a_checkpoints_optimizer_state_is_a_copy_the_servers_next_update_leaves_alone():
-    # Lightning writes the checkpoint after the server's lock is released; the server steps its
-    # optimizer in place meanwhile, so the state handed over must be the one of that moment.
+def test_a_checkpoints_parts_are_of_one_instant_though_the_server_steps_between_their_reads():
+    # Lightning reads the module's state, then the optimizer's, then the books, and writes the
+    # file after the server's lock is released; the server steps its optimizer in place meanwhile.
     from types import SimpleNamespace
 
     from lightning_stale.strategies.checkpoints import ServerCheckpoint
@@ -490,10 +490,18 @@ def test_a_checkpoints_optimizer_state_is_a_copy_the_servers_next_update_leaves_
     server.endpoint = RecordingEndpoint()
     server._broadcast(Kind.PARAMS)
     push(server, 1, 0, value=1.0)
-    checkpoint = ServerCheckpoint(SimpleNamespace(_server=server, _final_stats=None, path="central"))
-    saved = checkpoint.optimizer_state({})
-    moment = saved["state"][0]["exp_avg"].clone()
-    push(server, 1, 1, value=5.0)
-    assert server.core.version == 2
-    assert not torch.equal(server.core.state.optimizer.state[state.params[0]]["exp_avg"], moment)
-    assert torch.equal(saved["state"][0]["exp_avg"], moment)
+    checkpoint = ServerCheckpoint(SimpleNamespace(_server=server, _final_stats=None, path="central",
+                                                  lightning_module=module))
+    weight = state.params[0].detach().clone()
+    moment = state.optimizer.state[state.params[0]]["exp_avg"].clone()
+    parameters = checkpoint.module_state({})
+    push(server, 1, 1, value=5.0)  # between Lightning's reads
+    optimizer, books = checkpoint.optimizer_state({}), checkpoint.engine_state()
+    assert server.core.version == 2 and not torch.equal(state.params[0].detach(), weight)
+    assert torch.equal(parameters["weight"], weight) and books["version"] == books["updates"] == 1
+    assert torch.equal(optimizer["state"][0]["exp_avg"], moment)
+    push(server, 1, 2, value=3.0)
+    assert torch.equal(optimizer["state"][0]["exp_avg"], moment)  # a copy, not the live state
+    # the next checkpoint takes the next instant
+    assert torch.equal(checkpoint.module_state({})["weight"], state.params[0].detach())
+    assert checkpoint.engine_state()["version"] == 3
