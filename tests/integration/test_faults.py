@@ -290,6 +290,20 @@ def test_a_killed_learner_sharing_memory_with_the_server_ends_the_run(runs, case
     assert_books_and_logs(run, trace_learners={0})
 
 
+@pytest.mark.parametrize("case", ["sigkill_child_channels"])
+def test_a_killed_learner_with_payloads_on_channels_ends_the_run(runs, case):
+    """Rank 1 SIGKILLed on the central path while its pushes and answers travel on the groups of
+    their directions (``payload_channels=True``): its broken connections end the run."""
+    run = runs(case)
+    assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
+    assert run.status == 1 and run.ends == {0: {"raised": "ServerFailed"}}, run.tail()
+    assert "learner 1 died" in run.exceptions[0]["message"]
+    stats = run.rank0["stats"]
+    assert stats["server_path"] == "central" and stats["payload_channels"] == "gloo"
+    assert stats["shared_memory_learners"] == [] and stats["payloads_on_channels"] > 0
+    assert_books_and_logs(run, trace_learners={0})
+
+
 @pytest.mark.parametrize("case", ["sigstop_server"])
 def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs, case):
     """Rank 0 stopped with SIGSTOP: its learner hears no heartbeat for server_timeout = 3 s."""

@@ -66,9 +66,12 @@ CASES = {
     # the central path with pushes and answers too large for a frame: they cross in shared memory
     "sigkill_child_lanes": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "central"}),
     "continue_k_async_lanes": (0, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
+    # the same with the payloads on device channels (gloo groups on CPU), not in shared memory
+    "sigkill_child_channels": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "central", "payload_channels": True}),
 }
-# 0.1M parameters (0.4 MB payloads, over INLINE_PAYLOAD_BYTES) for the lanes' cases, else 0.2k
-HIDDEN = (320, 320) if CASE.endswith("_lanes") else (16,)
+# 0.1M parameters (0.4 MB payloads, over INLINE_PAYLOAD_BYTES) for the lanes' and channels' cases,
+# else 0.2k
+HIDDEN = (320, 320) if CASE.endswith(("_lanes", "_channels")) else (16,)
 INJECTOR, FAULT, DEVICES, VARIANT, K, OPTIONS = CASES[CASE]
 VICTIM = 2 if OPTIONS == CONTINUE else INJECTOR  # the process a signal is sent to
 armed = False  # the server's own faults (optimizer, scheduler) fire once this is set
