@@ -20,6 +20,7 @@ from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, 
 from lightning_stale.engine.distributed.ranks import (RankOptions, build_rank, channel_backend, check_path,
                                                       overlaps, settle_path)
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
+from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
@@ -103,7 +104,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             where that backend is NCCL, so that gradients and parameters go from GPU to GPU
             without a copy through host memory, unless ``on_learner_failure="continue"`` (a
             dead peer would leave NCCL waiting); True: always (on CPU, gloo groups; refused
-            for GPUs on a gloo default group); False: never. ``stats["payload_channels"]``
+            for GPUs on a gloo default group); False: never; nowhere for a model whose whole
+            push fits a header's frame (256 KiB). ``stats["payload_channels"]``
             names the backend used, or None, and ``stats["payloads_on_channels"]`` counts the
             payloads rank 0 sent and received on them.
         overlap_allreduce: on the collective path, where every update takes one gradient from
@@ -294,9 +296,11 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             log.info("overlap_allreduce: the all-reduce follows the server's decision, after %s, "
                      "which may change the gradients", ", ".join(hooks))
         overlap = overlap and not hooks
+        vectors = ModelVectors.of(self.lightning_module)
         self._channels = channel_backend(self.payload_channels, self.path, self.world_size,
                                          dist.get_backend() if self.world_size > 1 else None,
-                                         self.root_device, self.on_learner_failure)
+                                         self.root_device, self.on_learner_failure,
+                                         vectors.max_push_numel() * vectors.dtype.itemsize)
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
                               self.server_timeout, self.staleness_compensation, self._adaptive,
                               self.shared_memory, overlap, self.shutdown_timeout, self._channels)

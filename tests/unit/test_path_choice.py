@@ -149,28 +149,34 @@ def test_every_rank_settles_on_the_same_path_and_the_central_one_takes_the_lanes
         assert all(held is None for _, held in settled)
 
 
-@pytest.mark.parametrize("wanted,path,world,backend,device,failure,expected", [
-    (None, "central", 4, "nccl", "cuda", "stop", "nccl"),  # auto: GPU to GPU where NCCL runs
-    (None, "sharded", 8, "nccl", "cuda", "stop", "nccl"),
-    (None, "central", 4, "nccl", "cuda", "continue", None),  # a dead peer would leave NCCL waiting
-    (None, "central", 4, "gloo", "cpu", "stop", None),  # on CPU gloo carries payloads already
-    (None, "collective", 4, "nccl", "cuda", "stop", None),  # its payloads meet in all-reduces
-    (None, "central", 1, None, "cuda", "stop", None),  # no peer
-    (True, "sharded", 4, "gloo", "cpu", "stop", "gloo"),
-    (False, "central", 4, "nccl", "cuda", "stop", None),
+LARGE = ranks.INLINE_PAYLOAD_BYTES + 4  # a push larger than a header's frame
+
+
+@pytest.mark.parametrize("wanted,path,world,backend,device,failure,push_bytes,expected", [
+    (None, "central", 4, "nccl", "cuda", "stop", LARGE, "nccl"),  # auto: GPU to GPU where NCCL runs
+    (None, "sharded", 8, "nccl", "cuda", "stop", LARGE, "nccl"),
+    (None, "central", 4, "nccl", "cuda", "stop", LARGE - 4, None),  # every payload fits a frame
+    (True, "central", 4, "gloo", "cpu", "stop", LARGE - 4, None),
+    (None, "central", 4, "nccl", "cuda", "continue", LARGE, None),  # a dead peer would leave NCCL waiting
+    (None, "central", 4, "gloo", "cpu", "stop", LARGE, None),  # on CPU gloo carries payloads already
+    (None, "collective", 4, "nccl", "cuda", "stop", LARGE, None),  # its payloads meet in all-reduces
+    (None, "central", 1, None, "cuda", "stop", LARGE, None),  # no peer
+    (True, "sharded", 4, "gloo", "cpu", "stop", LARGE, "gloo"),
+    (False, "central", 4, "nccl", "cuda", "stop", LARGE, None),
 ])
 def test_payloads_take_device_channels_where_nccl_runs_or_where_asked(wanted, path, world, backend, device,
-                                                                      failure, expected):
+                                                                      failure, push_bytes, expected):
     import torch
 
-    assert ranks.channel_backend(wanted, path, world, backend, torch.device(device), failure) == expected
+    assert ranks.channel_backend(wanted, path, world, backend, torch.device(device), failure,
+                                 push_bytes) == expected
 
 
 def test_channels_asked_for_on_gpus_without_nccl_are_refused_naming_the_backend():
     import torch
 
     with pytest.raises(ValueError, match=r"needs NCCL for payloads on cuda devices.*runs on 'gloo'"):
-        ranks.channel_backend(True, "central", 2, "gloo", torch.device("cuda"), "stop")
+        ranks.channel_backend(True, "central", 2, "gloo", torch.device("cuda"), "stop", LARGE)
 
 
 @pytest.mark.parametrize("path,p,pairs", [

@@ -2,8 +2,9 @@
 two ranks, on the default group's backend (NCCL on GPUs).
 
 The header of a message still travels on the server traffic's gloo group (`transport`); where a
-channel to the receiver exists, a payload on a CUDA device follows it on that channel instead of
-being copied to host memory, sent over gloo and copied back. Why a group per direction, not per
+channel to the receiver exists, a payload too large for the header's frame, on the channel's
+kind of device, follows it on that channel: on GPUs, instead of being copied to host memory,
+sent over gloo and copied back. Why a group per direction, not per
 pair: NCCL runs the point-to-point operations of one communicator in order on one stream, so a
 pair whose two ranks both send first (a push up while an answer comes down) would wait for each
 other's receives forever; and in each direction one sending thread and one receiving thread

@@ -150,11 +150,12 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
 
 
 def channel_backend(wanted: bool | None, path: str, world: int, default_backend: str | None,
-                    device: torch.device, on_learner_failure: str) -> str | None:
+                    device: torch.device, on_learner_failure: str, push_bytes: int) -> str | None:
     """The backend of the device channels (`channels`) for `StaleStrategy`'s
     ``payload_channels`` (None: auto), or None for none: NCCL where the default group runs on it
-    (auto: unless dead learners are to be survived), gloo on CPU when asked for."""
-    if wanted is False or world < 2 or not channel_pairs(path, world):
+    (auto: unless dead learners are to be survived), gloo on CPU when asked for; none where a
+    whole push (``push_bytes``) fits a header's frame, as every payload then does."""
+    if wanted is False or world < 2 or not channel_pairs(path, world) or push_bytes <= INLINE_PAYLOAD_BYTES:
         return None
     if default_backend == "nccl":
         return "nccl" if wanted or on_learner_failure == "stop" else None
