@@ -133,6 +133,9 @@ def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
     assert result["is_torchelastic"]
     assert result["stats"]["p"] == 4 and all(n > 0 for n in result["stats"]["pushes_per_learner"])
     assert result["stats"]["updates"] == 40 and books_balance(result["stats"])
+    channels = result["channels"]["stats"]  # the sharded path with its payloads on channels
+    assert channels["server_path"] == "sharded" and channels["payload_channels"] == "gloo"
+    assert channels["payloads_on_channels"] > 0 and channels["updates"] == 20 and books_balance(channels)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,15 @@ trainer.fit(Classifier(MLP(dm.input_shape, dm.num_classes), lr=0.2), dm)
 result = summary(trainer, capture) if trainer.global_rank == 0 else {}
 result["environment"] = type(trainer.strategy.cluster_environment).__name__
 result["is_torchelastic"] = isinstance(trainer.strategy.cluster_environment, TorchElasticEnvironment)
+# The sharded path across the two nodes with its pieces and slices on device channels (gloo groups
+# here), 0.4M parameters so that they exceed a header's frame.
+capture = CaptureRecords()
+trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, max_steps=20, callbacks=[capture],
+                     strategy=StaleStrategy("k_async", 2, server="sharded", payload_channels=True,
+                                            delay=Exponential(mean=0.005, seed=0)), **QUIET)
+trainer.fit(Classifier(MLP(dm.input_shape, dm.num_classes, hidden_sizes=(1024, 320)), lr=0.05), dm)
+if trainer.global_rank == 0:
+    result["channels"] = summary(trainer, capture)
 write_results(trainer, result)
 # Leave together and tear the default group down before exiting, as torchrun scripts should:
 # a worker exiting while another still uses the group or the agents' store can abort at exit.
