@@ -34,27 +34,25 @@ def side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 @contextlib.contextmanager
-def running_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Run the calling thread's work on ``stream``; when it ends, wait (on the host) for that work,
-    so that whatever the thread leaves behind is complete for any thread that reads it later."""
-    if stream is None:
-        yield
-        return
-    try:
-        with torch.cuda.device(stream.device), torch.cuda.stream(stream):  # (a new thread is on GPU 0)
-            yield
-    finally:
-        stream.synchronize()
-
-
-@contextlib.contextmanager
 def on(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Queue the calling thread's work on ``stream`` for a while (nothing off CUDA)."""
     if stream is None:
         yield
         return
-    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):  # (a new thread is on GPU 0)
         yield
+
+
+@contextlib.contextmanager
+def running_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """`on`, and when it ends, wait (on the host) for the work queued there, so that whatever the
+    thread leaves behind is complete for any thread that reads it later."""
+    try:
+        with on(stream):
+            yield
+    finally:
+        if stream is not None:
+            stream.synchronize()
 
 
 def mark(tensor: Tensor | None) -> torch.cuda.Event | None:
@@ -88,10 +86,9 @@ def to_host(tensor: Tensor, ready: torch.cuda.Event | None) -> Tensor:
         return tensor
     if ready is not None:
         ready.synchronize()
-    stream = _copy_streams.get(tensor.device)
-    if stream is None:
-        stream = _copy_streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
-    with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
+    stream = _copy_streams.get(tensor.device) or _copy_streams.setdefault(tensor.device,
+                                                                          torch.cuda.Stream(tensor.device))
+    with on(stream):
         return tensor.cpu()
 
 
@@ -101,13 +98,9 @@ def reading(stream: torch.cuda.Stream | None) -> Iterator[None]:
     holds that thread still (its lock): the reads run on a stream of their own that starts after
     ``stream``'s work so far (not on the caller's, which may wait for a collective), and are
     complete when this ends, before the engine thread changes the state again."""
-    if stream is None:
+    reader = None
+    if stream is not None:
+        reader = torch.cuda.Stream(stream.device)
+        reader.wait_stream(stream)
+    with running_on(reader):
         yield
-        return
-    reader = torch.cuda.Stream(stream.device)
-    reader.wait_stream(stream)
-    try:
-        with torch.cuda.device(stream.device), torch.cuda.stream(reader):
-            yield
-    finally:
-        reader.synchronize()

@@ -78,8 +78,9 @@ class CentralPayloads:
     at an update, when schedulers are due, and at the stop (`on_update`, `on_schedule`,
     `on_stop`; nothing here: the core's state does it all).
 
-    ``on_device``: the learners answered with parameters on the server's device (besides rank
-    0's learner, those with device channels, `channels`); the others get a host snapshot.
+    ``on_device``: the learners answered with parameters on the server's device: rank 0's
+    learner, beside the server (nothing crosses the bus for it), and those with device channels
+    (`channels`); the others get a host snapshot.
 
     ``place_for`` (`ServerEndpoint.place_for`, set where the server has shared-memory lanes): an
     answer that refreshes one learner alone (the async family's, mostly) is written straight into
@@ -92,7 +93,7 @@ class CentralPayloads:
 
     def __init__(self, vectors: ModelVectors,
                  place_for: Callable[[int, int, torch.dtype], torch.Tensor | None] | None = None,
-                 on_device: frozenset[int] = frozenset()) -> None:
+                 on_device: frozenset[int] = frozenset({0})) -> None:
         self.vectors, self.place_for, self.on_device = vectors, place_for, on_device
 
     def contribution(self, message: Message) -> Contribution:
@@ -103,7 +104,7 @@ class CentralPayloads:
         if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
             return
         state, version = core.state, core.version
-        if message.learner == 0 or message.learner in self.on_device:  # never through the host
+        if message.learner in self.on_device:  # never through the host
             message.payload = state.snapshot(version, state.vectors.device)
             message.ready = streams.mark(message.payload)  # made on the server's stream
             return

@@ -257,7 +257,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
             state = ServerState(module, optimizer, schedulers, clip=clip)
             core = ServerCore(variant, state, limits, options.adaptive, options.compensation,
                               clock=time.monotonic())
-            payloads = CentralPayloads(vectors, on_device=frozenset(dst for src, dst in channels if src == 0))
+            payloads = CentralPayloads(vectors, on_device=frozenset({0, *(dst for src, dst in channels if src == 0)}))
         if resume is not None:
             core.load_state_dict(resume)
         server = ParameterServer(core, payloads, options.on_learner_failure)
