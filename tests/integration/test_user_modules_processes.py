@@ -164,6 +164,18 @@ def test_a_module_too_large_for_a_frame_trains_through_shared_memory(runs):
     assert run["lent_pushes"] > 0  # and its pushes read in theirs
 
 
+def test_a_users_module_trains_with_its_payloads_on_device_channels(runs):
+    """AdamW with a warm-up, a frozen backbone and BatchNorm, as above, with the pushes and answers
+    on the groups of their directions (``payload_channels=True``) instead of shared memory."""
+    run = runs["wide@central-channels"]
+    stats = run["stats"]
+    assert stats["server_path"] == "central" and stats["payload_channels"] == "gloo"
+    assert stats["shared_memory_learners"] == [] and stats["payloads_on_channels"] > 0
+    assert run["same_on_every_learner"] == [True] * 2 and run["same_after_fit"] and run["backbone_unchanged"]
+    assert run["total_steps"] == stats["updates"] == 24 and run["lr"] == pytest.approx(run["configured_lr"])
+    assert books_balance(stats) and min(stats["pushes_per_learner"]) > 0
+
+
 def test_auto_runs_a_mid_sized_sync_model_central_on_the_lanes_it_opened_to_decide(runs):
     from lightning_stale.engine.distributed.ranks import ONE_HOST_COLLECTIVE_MIN_NUMEL, SCALE_MIN_NUMEL
 

@@ -344,6 +344,21 @@ if trainer.global_rank == 0:
         "placed_answers": sum(placed), "lent_pushes": lent.count(Kind.PUSH),
     }
 
+# The same module with its pushes and answers on device channels (gloo groups on CPU) instead.
+pl.seed_everything(0)
+model, books = um.WideFrozenBatchNorm(), Books()
+frozen = {k: v.clone() for k, v in model.backbone.state_dict().items()}
+trainer = fit(model, um.BlobData(), StaleStrategy("k_async", 1, payload_channels=True, record_trace=False),
+              [books], max_epochs=2)
+same = same_everywhere(trainer, model)
+if trainer.global_rank == 0:
+    results["wide@central-channels"] = {
+        "same_on_every_learner": books.same, "same_after_fit": same,
+        "backbone_unchanged": all(torch.equal(v, model.backbone.state_dict()[k]) for k, v in frozen.items()),
+        "total_steps": model.total_steps, "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "configured_lr": model.hparams.lr, "stats": trainer.strategy.stats,
+    }
+
 # `sync` on the 'auto' path with a model that is central only where every learner shares memory
 # with rank 0 (`ranks.settle_path` opens the lanes to decide, and the central path takes them).
 pl.seed_everything(0)
