@@ -76,6 +76,15 @@ def receive(tensor: Tensor | None, ready: torch.cuda.Event | None) -> None:
     tensor.record_stream(stream)
 
 
+def hold(tensor: Tensor, stream: torch.cuda.Stream | None) -> None:
+    """Keep ``tensor``'s memory from the caching allocator until the work queued so far on
+    ``stream`` is done, for a tensor made on another stream and last used on ``stream`` (or by
+    work ``stream`` waits for): freed earlier, it could go to its own stream's next tensor while
+    still being read."""
+    if stream is not None and tensor.is_cuda:
+        tensor.record_stream(stream)
+
+
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 

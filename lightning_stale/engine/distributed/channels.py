@@ -43,8 +43,14 @@ class Channel:
     def send(self, payload: Tensor, ready) -> None:
         if ready is not None:
             ready.synchronize()  # complete before it is posted: see the module docstring
+        payload = payload.contiguous()
         with streams.on(self.stream):
-            dist.send(payload.contiguous(), dst=self.dst, group=self.group)
+            dist.send(payload, dst=self.dst, group=self.group)
+        # The send returns once it is queued; NCCL reads the payload later on its own stream,
+        # which this channel's stream now waits for. The payload was made on another stream (the
+        # training thread's, the server's, an owner's), to which its memory returns when it is
+        # freed: held for this stream, it is not reused before the send has read it.
+        streams.hold(payload, self.stream)
         self.carried += 1
 
     def recv(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, object]:
@@ -69,11 +75,36 @@ def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
 def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, device: torch.device,
                   timeout: datetime.timedelta) -> dict[tuple[int, int], Channel]:
     """A `Channel` for every direction of ``pairs`` that involves ``rank``, keyed by (sender,
-    receiver); collective: every rank calls it with the same pairs (each group is created by
-    all)."""
+    receiver), each one already used once (`_first_exchange`); collective: every rank calls it
+    with the same pairs (each group is created by all)."""
+    pairs = list(pairs)
     channels = {}
     for src, dst in pairs:
         group = dist.new_group([src, dst], backend=backend, timeout=timeout)
         if rank in (src, dst):
             channels[(src, dst)] = Channel(group, src, dst, device)
+    _first_exchange(rank, pairs, channels, device)
     return channels
+
+
+def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tuple[int, int], Channel],
+                    device: torch.device) -> None:
+    """One value over every channel, before training: NCCL creates a group's communicator at
+    its first operation, and creating one allocates device memory, which can wait for kernels
+    already running; were that to happen in an engine thread during training, beside a
+    collective of the training thread that waits for the very peer being set up, neither could
+    finish. Here every rank is at the same place, nothing else runs, and the pairs go in the
+    same order on every rank, so each exchange finds its peer (an exchange waits only for its
+    two ranks, and the earliest one not done has both of them at it)."""
+    for src, dst in pairs:
+        channel = channels.get((src, dst))
+        if channel is None:
+            continue
+        with streams.on(channel.stream):
+            value = torch.ones(1, device=device)
+            if rank == src:
+                dist.send(value, dst=dst, group=channel.group)
+            else:
+                dist.recv(value, src=src, group=channel.group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

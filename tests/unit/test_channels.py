@@ -1,0 +1,109 @@
+"""Device channels (`engine.distributed.channels`): what a send leaves to the caching allocator,
+and the first exchange over every channel before training, driven in-process with a stand-in
+for torch.distributed. Real channels run in the multi-process tests (gloo groups on CPU)."""
+
+import contextlib
+import datetime
+import threading
+
+import pytest
+import torch
+
+from lightning_stale.engine.distributed import channels as channels_module
+from lightning_stale.engine.distributed.channels import Channel, channel_pairs, open_channels
+
+
+def test_a_sent_payload_is_held_for_the_channels_stream_after_its_send(monkeypatch):
+    calls = []
+    monkeypatch.setattr(channels_module.dist, "send", lambda t, dst, group: calls.append(("send", t, dst)))
+    monkeypatch.setattr(channels_module.streams, "hold", lambda t, stream: calls.append(("hold", t, stream)))
+    monkeypatch.setattr(channels_module.streams, "on", lambda stream: contextlib.nullcontext())
+    channel = Channel(group="group", src=0, dst=1, device=torch.device("cpu"))
+    channel.stream = "channel stream"  # (None on the CPU)
+    payload = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: a contiguous copy is sent
+    channel.send(payload, ready=None)
+    (send, sent, dst), hold = calls
+    assert send == "send" and dst == 1 and sent.is_contiguous() and torch.equal(sent, payload)
+    assert hold == ("hold", sent, "channel stream")  # the tensor the send read, after the send
+    assert channel.carried == 1
+
+
+class Rendezvous:
+    """Stands in for torch.distributed across ``world`` ranks run as threads: a send waits until
+    its receiver posts the matching receive (as NCCL's first operation on a group waits for both
+    ranks to create the communicator), and groups are the ranks they were made with."""
+
+    def __init__(self, world: int, timeout: float = 5.0) -> None:
+        self.world, self.timeout = world, timeout
+        self.lock, self.posted = threading.Condition(), {}
+        self.log: list[tuple[int, int, float]] = []
+
+    def new_group(self, ranks, backend, timeout):
+        return tuple(ranks)
+
+    def send(self, tensor, dst, group):
+        src = threading.current_thread().rank
+        assert set(group) == {src, dst}
+        with self.lock:
+            if not self.lock.wait_for(lambda: (src, dst) in self.posted, timeout=self.timeout):
+                raise TimeoutError(f"rank {src}'s first send to {dst} found no receive")
+            self.posted.pop((src, dst)).copy_(tensor)
+            self.log.append((src, dst, tensor.item()))
+            self.lock.notify_all()
+
+    def recv(self, tensor, src, group):
+        dst = threading.current_thread().rank
+        assert set(group) == {src, dst}
+        with self.lock:
+            self.posted[(src, dst)] = tensor
+            self.lock.notify_all()
+            if not self.lock.wait_for(lambda: (src, dst) not in self.posted, timeout=self.timeout):
+                raise TimeoutError(f"rank {dst}'s first receive from {src} found no send")
+
+
+@pytest.mark.parametrize("path,world", [("central", 4), ("sharded", 4), ("sharded", 3)])
+def test_every_channel_carries_one_value_before_training_with_no_rank_left_waiting(monkeypatch, path, world):
+    fake = Rendezvous(world)
+    for name in ("new_group", "send", "recv"):
+        monkeypatch.setattr(channels_module.dist, name, getattr(fake, name))
+    pairs, opened, errors = channel_pairs(path, world), {}, []
+
+    def rank_main(rank):
+        threading.current_thread().rank = rank
+        try:
+            opened[rank] = open_channels(rank, pairs, "gloo", torch.device("cpu"), datetime.timedelta(seconds=5))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20.0)
+    assert not errors and all(not thread.is_alive() for thread in threads)
+    assert sorted((src, dst) for src, dst, _ in fake.log) == sorted(pairs)  # each direction once
+    assert all(value == 1.0 for _, _, value in fake.log)
+    for rank, held in opened.items():
+        assert set(held) == {pair for pair in pairs if rank in pair}
+        assert all(channel.carried == 0 for channel in held.values())  # not counted as payloads
+
+
+def test_a_rank_that_meets_its_channels_in_another_order_is_caught_by_the_stand_in(monkeypatch):
+    """The stand-in above can fail: two ranks that each send first wait for each other."""
+    fake = Rendezvous(2, timeout=0.3)
+    monkeypatch.setattr(channels_module.dist, "send", fake.send)
+    errors = []
+
+    def rank_main(rank):
+        threading.current_thread().rank = rank
+        try:
+            fake.send(torch.ones(1), dst=1 - rank, group=(0, 1))
+        except TimeoutError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20.0)
+    assert len(errors) == 2
