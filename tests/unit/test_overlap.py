@@ -195,3 +195,15 @@ def test_hooks_that_may_change_gradients_after_backward_are_found_in_modules_and
     assert hooks_after_backward(Plain(), [pl.callbacks.LearningRateMonitor(), MiniBatchTimer()]) == []
     assert hooks_after_backward(LogsNorms(), [Inherits()]) == [
         f"{LogsNorms.__qualname__}.on_before_optimizer_step", f"{ClipsItself.__qualname__}.on_after_backward"]
+
+
+def test_the_buckets_group_is_used_once_at_set_up_before_any_backward(monkeypatch):
+    """NCCL creates a group's communicator at its first operation: that happens when every rank
+    builds the overlap, not in the middle of the first backward."""
+    from lightning_stale.engine.distributed import overlap as overlap_module
+
+    calls, real = [], dist.all_reduce
+    monkeypatch.setattr(overlap_module.dist, "all_reduce",
+                        lambda tensor, group=None, **kw: calls.append((tensor.numel(), group)) or real(tensor, group=group, **kw))
+    setup()
+    assert calls == [(1, dist.group.WORLD)]

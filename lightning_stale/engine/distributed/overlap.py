@@ -76,6 +76,10 @@ class OverlappedAllReduce:
                  device: torch.device, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
                  bucket_bytes: int = BUCKET_BYTES) -> None:
         self.vectors, self.learners, self.group, self.control_group = vectors, learners, group, control_group
+        # Every rank builds this at set-up: a first all-reduce now has NCCL create the group's
+        # communicator here, beside nothing, not during the first backward (creating one
+        # allocates device memory, which can wait for kernels already running).
+        dist.all_reduce(torch.zeros(1, dtype=vectors.dtype, device=device), group=group)
         sizes = [p.numel() for p in vectors.params]
         self._offsets = [0]
         for size in sizes:
