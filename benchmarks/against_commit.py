@@ -67,6 +67,13 @@ def ratios(rows: list[dict], mode: str) -> list[float]:
     return [r["samples_per_s"] / ddp[r["repeat"]] for r in rows if r["mode"] == mode]
 
 
+def absolute(collected: dict[str, list[dict]], mode: str) -> dict[str, float]:
+    """Each code's median samples/s of ``mode`` (ddp's tells whether a ratio moved with ddp:
+    each code's launches run ddp under that code's own process settings)."""
+    return {f"{side}_samples_per_s": round(statistics.median(r["samples_per_s"] for r in rows if r["mode"] == mode), 1)
+            for side, rows in collected.items()}
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the earlier commit (any git revision)")
@@ -104,12 +111,15 @@ def main() -> None:
         rows.append({"mode": mode, "k": k_of(mode, args.devices), "base_vs_ddp": statistics.median(base),
                      "head_vs_ddp": statistics.median(head), "head_over_base": statistics.median(head) /
                      statistics.median(base), "mann_whitney_p": float(mannwhitneyu(base, head).pvalue),
-                     "repeats": len(base), "base_per_repeat": " ".join(f"{x:.2f}" for x in base),
+                     "repeats": len(base), **absolute(collected, mode),
+                     "base_per_repeat": " ".join(f"{x:.2f}" for x in base),
                      "head_per_repeat": " ".join(f"{x:.2f}" for x in head)})
+    rows.append({"mode": "ddp", "k": "", **absolute(collected, "ddp")})
     print(f"\nbase {commits['base'][:7]} against head {commits['head'][:7]}, P = {args.devices}, "
           f"MLP 64-{args.hidden}-10, {args.launches} launches of each, {args.repeats} repeats per launch; "
           "samples/s over ddp's in the same repeat, median")
-    print(table(rows, ["mode", "k", "base_vs_ddp", "head_vs_ddp", "head_over_base", "mann_whitney_p", "repeats"]))
+    print(table(rows, ["mode", "k", "base_vs_ddp", "head_vs_ddp", "head_over_base", "mann_whitney_p", "repeats",
+                       "base_samples_per_s", "head_samples_per_s"]))
     write_results(out, "against_commit", rows, {"base": commits["base"], "head": commits["head"],
                                                  "wall_s": time.monotonic() - start})
 
