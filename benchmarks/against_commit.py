@@ -6,9 +6,13 @@ between repeats), so this script alternates launches of the two codes: each comm
 ``lightning_stale`` is exported with ``git archive`` into a temporary folder and put first on
 ``PYTHONPATH``, and every launch runs stock ``ddp`` and the chosen variants interleaved
 ``--repeats`` times on the same model (the MLP 64-``--hidden``-10 of ``overhead_vs_ddp.py``,
-batch 32, no injected delay). Reported per variant and code: the median over all repeats of
-samples/s over ddp's samples/s in the same repeat, and a two-sided Mann-Whitney U test of the
-two codes' ratios (scipy). Each code runs as its users get it: where it has one, every mode of a
+batch 32, no injected delay). The two codes take turns at going first in a pair of launches.
+Reported per variant and code: the median over all repeats of samples/s over ddp's samples/s
+in the same repeat, and a two-sided Mann-Whitney U test (scipy) of the two codes' launches, each
+launch's median ratio one value: repeats inside a launch share its luck, so the launch, not the
+repeat, is the independent unit (a test over the repeats called a 4 % gap between a commit and
+itself significant, p = 0.03: README, "Small models against the code the scaling work started
+from"). Four launches of each code are the fewest that can give p < 0.05. Each code runs as its users get it: where it has one, every mode of a
 launch (ddp included) runs under the allocator setting the strategy makes
 (`engine.distributed.allocator`, applied by `_common.apply_process_settings`); before, under
 glibc's defaults.
@@ -67,6 +71,12 @@ def ratios(rows: list[dict], mode: str) -> list[float]:
     return [r["samples_per_s"] / ddp[r["repeat"]] for r in rows if r["mode"] == mode]
 
 
+def per_launch(rows: list[dict], mode: str) -> list[float]:
+    """Each launch's median ratio of ``mode`` to ddp (a row's ``repeat`` is (launch, repeat))."""
+    launches = sorted({r["repeat"][0] for r in rows})
+    return [statistics.median(ratios([r for r in rows if r["repeat"][0] == launch], mode)) for launch in launches]
+
+
 def absolute(collected: dict[str, list[dict]], mode: str) -> dict[str, float]:
     """Each code's median samples/s of ``mode`` (ddp's tells whether a ratio moved with ddp:
     each code's launches run ddp under that code's own process settings)."""
@@ -98,7 +108,8 @@ def main() -> None:
         trees = {side: Path(tmp) / side for side in collected}
         commits = {side: export(getattr(args, side), trees[side]) for side in collected}
         for launch in range(args.launches):
-            for side, tree in trees.items():
+            for side in ("base", "head") if launch % 2 == 0 else ("head", "base"):
+                tree = trees[side]
                 result = Path(tmp) / f"{side}-{launch}.json"
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
                 subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
@@ -108,17 +119,20 @@ def main() -> None:
     rows = []
     for mode in args.modes:
         base, head = ratios(collected["base"], mode), ratios(collected["head"], mode)
+        launches = {side: per_launch(collected[side], mode) for side in collected}
         rows.append({"mode": mode, "k": k_of(mode, args.devices), "base_vs_ddp": statistics.median(base),
                      "head_vs_ddp": statistics.median(head), "head_over_base": statistics.median(head) /
-                     statistics.median(base), "mann_whitney_p": float(mannwhitneyu(base, head).pvalue),
-                     "repeats": len(base), **absolute(collected, mode),
+                     statistics.median(base),
+                     "mann_whitney_p": float(mannwhitneyu(launches["base"], launches["head"]).pvalue),
+                     "launches": len(launches["base"]), "repeats": len(base), **absolute(collected, mode),
                      "base_per_repeat": " ".join(f"{x:.2f}" for x in base),
                      "head_per_repeat": " ".join(f"{x:.2f}" for x in head)})
     rows.append({"mode": "ddp", "k": "", **absolute(collected, "ddp")})
     print(f"\nbase {commits['base'][:7]} against head {commits['head'][:7]}, P = {args.devices}, "
           f"MLP 64-{args.hidden}-10, {args.launches} launches of each, {args.repeats} repeats per launch; "
           "samples/s over ddp's in the same repeat, median")
-    print(table(rows, ["mode", "k", "base_vs_ddp", "head_vs_ddp", "head_over_base", "mann_whitney_p", "repeats",
+    print(table(rows, ["mode", "k", "base_vs_ddp", "head_vs_ddp", "head_over_base", "mann_whitney_p", "launches",
+                       "repeats",
                        "base_samples_per_s", "head_samples_per_s"]))
     write_results(out, "against_commit", rows, {"base": commits["base"], "head": commits["head"],
                                                  "wall_s": time.monotonic() - start})
