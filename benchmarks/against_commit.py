@@ -15,16 +15,18 @@ itself significant, p = 0.03: README, "Small models against the code the scaling
 from"). Four launches of each code are the fewest that can give p < 0.05. Each code runs as its users get it: where it has one, every mode of a
 launch (ddp included) runs under the allocator setting the strategy makes
 (`engine.distributed.allocator`, applied by `_common.apply_process_settings`); before, under
-glibc's defaults.
+glibc's defaults; ``--same-settings`` runs both under this checkout's, which compares the
+engines alone (the setting applies to ``ddp`` too, so a ratio to ``ddp`` can move with it).
 
 Each fit is ``overhead_vs_ddp.measure`` (its samples/s and its K per variant).
 
     python benchmarks/against_commit.py --base c66ab33 [--head HEAD] [--modes k_batch_sync sync]
-        [--devices 2] [--launches 3] [--repeats 6] [--steps 300] [--hidden 256]
+        [--devices 2] [--launches 4] [--repeats 6] [--steps 300] [--hidden 256] [--same-settings]
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -53,6 +55,16 @@ def run_launch(args) -> None:
                 rows.append({"repeat": repeat, "mode": mode, "samples_per_s": row["samples_per_s"]})
     if is_rank_zero():
         Path(args.child_result).write_text(json.dumps(rows))
+
+
+def hold_freed_memory_from_this_checkout() -> None:
+    """The allocator setting of this checkout's engine, whichever code is first on the path
+    (an earlier commit may not have it; its module needs nothing but the standard library)."""
+    path = REPO / "lightning_stale" / "engine" / "distributed" / "allocator.py"
+    spec = importlib.util.spec_from_file_location("_allocator_of_this_checkout", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.hold_freed_memory()
 
 
 def export(rev: str, into: Path) -> str:
@@ -90,13 +102,18 @@ def main() -> None:
     parser.add_argument("--head", default="HEAD", help="the commit to compare with it")
     parser.add_argument("--modes", nargs="+", default=["k_batch_sync", "sync"], choices=VARIANTS)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--launches", type=int, default=3, help="launches per commit, alternating")
+    parser.add_argument("--launches", type=int, default=4, help="launches per commit, alternating")
     parser.add_argument("--repeats", type=int, default=6, help="interleaved repeats per launch")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--hidden", type=int, default=256, help="0.02M parameters at 256")
+    parser.add_argument("--same-settings", action="store_true",
+                        help="run both codes under this checkout's process settings (the allocator's): "
+                             "the engines compared alone, ddp alike in both")
     parser.add_argument("--child-result", default=None, help=__import__("argparse").SUPPRESS)
     args = parser.parse_args()
     apply_process_settings(args)
+    if args.same_settings:
+        hold_freed_memory_from_this_checkout()
     if args.child_result is not None:
         return run_launch(args)
 
