@@ -296,7 +296,7 @@ def test_an_idle_server_sends_heartbeats():
 def test_a_small_message_travels_as_one_frame_that_keeps_every_field():
     message = Message(Kind.PUSH, learner=3, version=12345, epoch=7, samples=64, loss=0.123456789,
                       payload=torch.arange(5, dtype=torch.float64), pushes=9, hold=0.25, age=0.125,
-                      flags=Flag.MASKED, dead=2)
+                      flags=Flag.MASKED, dead=2, cancelled=4, seq=31, delivery=6)
     frame, separate = encode(message)
     assert separate is None and frame.numel() == HEADER_BYTES + 5 * 8
     received = torch.full((FRAME_BYTES,), 255, dtype=torch.uint8)  # gloo fills only the start
@@ -304,11 +304,16 @@ def test_a_small_message_travels_as_one_frame_that_keeps_every_field():
     decoded, numel, dtype, inline = decode(received, "learner 3", 100)
     assert (decoded.kind, decoded.learner, decoded.version, decoded.epoch, decoded.samples) == (Kind.PUSH, 3, 12345, 7, 64)
     assert decoded.loss == 0.123456789 and (decoded.pushes, decoded.hold, decoded.age) == (9, 0.25, 0.125)
-    assert (decoded.flags, decoded.dead) == (Flag.MASKED, 2)
+    assert (decoded.flags, decoded.dead, decoded.cancelled, decoded.seq, decoded.delivery) == (Flag.MASKED, 2, 4, 31, 6)
     assert (numel, dtype, inline) == (5, torch.float64, True)
     assert decoded.payload.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     received.zero_()  # the receive buffer is reused: the payload must not share it
     assert decoded.payload.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_payload_of_a_dtype_the_header_cannot_name_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"dtype torch.int64 cannot travel.*torch.float32"):
+        encode(Message(Kind.PUSH, payload=torch.arange(3)))
 
 
 def test_a_large_payload_follows_its_header_without_a_copy():

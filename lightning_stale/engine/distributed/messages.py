@@ -9,6 +9,7 @@ run with a `TransportError` naming the sender. Nothing received is ever unpickle
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from dataclasses import dataclass, replace
 from enum import IntEnum
@@ -29,6 +30,13 @@ HEADER = (
     ("loss", "d"), ("hold", "d"), ("age", "d"),
 )
 _STRUCT = struct.Struct("<" + "".join(fmt for _, fmt in HEADER))
+# The header's fields read from and written to a message as they are (the others are computed);
+# packed and unpacked in one call each: a header goes both ways on every push and answer.
+_NAMES = tuple(name for name, _ in HEADER)
+assert _NAMES[:3] == ("magic", "protocol", "kind") and _NAMES[13:16] == ("numel", "dtype", "inline")
+_INTS, _FLOATS = _NAMES[3:13], _NAMES[16:]
+_ints_of, _floats_of = operator.attrgetter(*_INTS), operator.attrgetter(*_FLOATS)
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 # Payloads up to this size travel inside the header's frame: one gloo message per message
 # instead of two, which halves the latency of a push or an answer for the models where latency,
 # not bandwidth, dominates (the digits MLP is 19 KB). Larger payloads follow their header as a
@@ -71,6 +79,9 @@ class Kind(IntEnum):
     # learner -> server: its Trainer was asked to stop mid-epoch (a callback such as Timer for
     # max_time): training stops for everyone, each learner on the server's STOP.
     HALT = 19
+
+
+_RECEIVED_KINDS = frozenset(Kind) - {Kind.FAILED}  # (FAILED is made locally, never sent)
 
 
 # What the owner on a rank takes from the server's downlink (the rest is for the learner).
@@ -143,11 +154,12 @@ class Message:
 
 def encode_header(message: Message, payload: Tensor | None, inline: int) -> bytes:
     """``inline``: where the payload travels (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`)."""
-    fields = {name: getattr(message, name, 0) for name, _ in HEADER}
-    fields.update(magic=MAGIC, protocol=PROTOCOL, kind=int(message.kind),
-                  numel=0 if payload is None else payload.numel(),
-                  dtype=0 if payload is None else DTYPES.index(payload.dtype), inline=int(inline))
-    return _STRUCT.pack(*(fields[name] for name, _ in HEADER))
+    numel, dtype = (0, 0) if payload is None else (payload.numel(), _DTYPE_CODES.get(payload.dtype))
+    if dtype is None:
+        raise ValueError(f"a payload of dtype {payload.dtype} cannot travel; the header carries "
+                         f"{', '.join(map(str, DTYPES))}")
+    return _STRUCT.pack(MAGIC, PROTOCOL, int(message.kind), *_ints_of(message), numel, dtype, int(inline),
+                        *_floats_of(message))
 
 
 def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
@@ -160,25 +172,25 @@ def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, in
     if len(data) < HEADER_BYTES:
         raise TransportError(f"{sender} sent a frame of {len(data)} bytes, shorter than a header "
                              f"({HEADER_BYTES} bytes)")
-    fields = dict(zip((name for name, _ in HEADER), _STRUCT.unpack_from(data)))
+    values = _STRUCT.unpack_from(data)
+    fields = dict(zip(_NAMES, values))
     if fields["magic"] != MAGIC:
         raise TransportError(f"{sender} sent a frame that is not a lightning_stale message "
                              f"(magic {fields['magic']:#x})")
     if fields["protocol"] != PROTOCOL:
         raise TransportError(f"{sender} speaks protocol version {fields['protocol']}, this process "
                              f"{PROTOCOL}: run the same lightning_stale version on every node")
-    if fields["kind"] not in Kind.__members__.values() or fields["kind"] == Kind.FAILED:
+    if fields["kind"] not in _RECEIVED_KINDS:
         raise TransportError(f"{sender} sent a message of unknown kind {fields['kind']}")
     if not 0 <= fields["dtype"] < len(DTYPES):
         raise TransportError(f"{sender} sent a payload of unknown dtype code {fields['dtype']}")
     if not 0 <= fields["numel"] <= max_numel:
         raise TransportError(f"{sender} announced a payload of {fields['numel']} values; at most "
                              f"{max_numel} are expected")
-    if fields["inline"] not in (SEPARATE, INLINE, IN_LANE, ON_CHANNEL) or any(math.isinf(fields[f]) for f in ("hold", "age")):
+    if fields["inline"] not in (SEPARATE, INLINE, IN_LANE, ON_CHANNEL) or math.isinf(fields["hold"]) \
+            or math.isinf(fields["age"]):
         raise TransportError(f"{sender} sent a malformed header {fields}")
-    message = Message(Kind(fields["kind"]), **{name: fields[name] for name in (
-        "learner", "version", "epoch", "samples", "cancelled", "pushes", "flags", "dead", "seq",
-        "delivery", "loss", "hold", "age")})
+    message = Message(Kind(fields["kind"]), **dict(zip(_INTS, values[3:13])), **dict(zip(_FLOATS, values[16:])))
     return message, fields["numel"], DTYPES[fields["dtype"]], fields["inline"]
 
 

@@ -84,8 +84,7 @@ def encode(message: Message, lane: Lane | None = None,
 def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
     """The message of a received frame, its payload's size and dtype, and where the payload is
     (`SEPARATE`, `INLINE`: then it is set on the message, as a copy, or `IN_LANE`)."""
-    message, numel, dtype, where = decode_header(frame[:HEADER_BYTES].numpy().tobytes(), sender,
-                                                 max_numel)
+    message, numel, dtype, where = decode_header(frame.numpy(), sender, max_numel)  # (read in place)
     if numel and where == INLINE:
         nbytes = numel * dtype.itemsize
         if HEADER_BYTES + nbytes > frame.numel():
