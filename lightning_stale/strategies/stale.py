@@ -189,6 +189,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
+        self._mesh = None  # the sharded path's data mesh on this rank
         self._samplers: list[IndependentBatchSampler] = []
         self._pushes_per_epoch = 0
         self._batch_samples = 0
@@ -310,6 +311,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self._learner, self._resume = learner, None
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
         self.shard_layout = getattr(learner.exchange, "layout", None)
+        self._mesh = getattr(learner.exchange, "mesh", None)  # the sharded path's, for its stats
         self.shard_params = learner.vectors.params
         self._checkpoint = ServerCheckpoint(self)
         self.overlapped_updates = 0
@@ -441,7 +443,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         stats["server_path"] = self.path
         stats["shared_memory_learners"] = self._server.endpoint.lane_learners
         stats["payload_channels"] = self._channels
-        stats["payloads_on_channels"] = self._server.endpoint.payloads_on_channels  # rank 0's
+        stats["payloads_on_channels"] = (self._server.endpoint.payloads_on_channels  # rank 0's
+                                         + (self._mesh.payloads_on_channels if self._mesh is not None else 0))
         path = self.write_trace(recorder)
         if path is not None:
             stats["trace_path"] = path

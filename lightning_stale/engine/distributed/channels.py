@@ -62,6 +62,11 @@ class Channel:
             return payload, streams.mark(payload)
 
 
+def carried(channels: dict[tuple[int, int], Channel]) -> int:
+    """Payloads sent or received on ``channels`` so far (by this rank)."""
+    return sum(channel.carried for channel in channels.values())
+
+
 def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
     """The (sender, receiver) directions a path's payloads take: the central path's between
     every learner and rank 0, the sharded path's between every two ranks."""

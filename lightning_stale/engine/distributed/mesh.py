@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from lightning_stale.engine.distributed.channels import Channel
+from lightning_stale.engine.distributed.channels import Channel, carried
 from lightning_stale.engine.distributed.messages import Kind, Message
 from lightning_stale.engine.distributed.transport import FRAME_BYTES, recv, send
 
@@ -49,6 +49,11 @@ class DataMesh:
             self._threads += [
                 threading.Thread(target=self._send_loop, args=(peer,), daemon=True, name=f"stale-mesh-send-{peer}"),
                 threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"stale-mesh-recv-{peer}")]
+
+    @property
+    def payloads_on_channels(self) -> int:
+        """Payloads this rank's mesh sent or received on device channels so far."""
+        return carried(self.channels)
 
     def start(self) -> None:
         for t in self._threads:

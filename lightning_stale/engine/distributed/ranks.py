@@ -221,6 +221,10 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
     if options.channels and group is not None:  # every rank creates every group, in this order
         channels = open_channels(rank, channel_pairs(options.path, variant.p), options.channels,
                                  vectors.device, CHANNEL_TIMEOUT)
+    # Each direction's channel has one sending and one receiving thread, which post payloads in
+    # the order of their headers (`channels`): the central path's endpoints, or the sharded
+    # path's mesh (its endpoints carry headers and small orders, over gloo).
+    endpoint_channels = channels if options.path == "central" else {}
     if options.path in ("collective", "sharded"):
         # Every learner starts from rank 0's parameters, as DDP does (each rank's owner too).
         state = vectors.state_vector(device=vectors.device)
@@ -264,7 +268,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         # (K = 1: every push is decided on arrival, so the server reads it in its slot)
         server_endpoint = ServerEndpoint(group, variant.p, server.events.put, queue.Queue(),
                                          vectors.max_push_numel(), owner.commands if owner else None, lanes,
-                                         lend_pushes=lambda: core.rules.k == 1, channels=channels)
+                                         lend_pushes=lambda: core.rules.k == 1, channels=endpoint_channels)
         if isinstance(payloads, ShardedPayloads):
             payloads.send = server_endpoint.send
         elif isinstance(payloads, CentralPayloads) and lanes:
@@ -273,7 +277,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         server.start(server_endpoint)
     else:
         endpoint = LearnerEndpoint(rank, group, vectors.state_numel, owner=owner.commands if owner else None,
-                                   lanes=lanes.get(0), channels=channels)
+                                   lanes=lanes.get(0), channels=endpoint_channels)
     if owner is not None:
         owner.start(endpoint, server)
     if exchange is None and (rank == 0 or channels):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_stale.engine import streams
-from lightning_stale.engine.distributed.channels import Channel
+from lightning_stale.engine.distributed.channels import Channel, carried
 from lightning_stale.engine.distributed.lanes import Lane, LaneClosed
 from lightning_stale.engine.distributed.messages import (HEADER_BYTES, IN_LANE, INLINE, INLINE_PAYLOAD_BYTES,
                                                          ON_CHANNEL, OWNER_KINDS, SEPARATE, Kind, Message,
@@ -203,8 +203,8 @@ class ServerEndpoint:
 
     @property
     def payloads_on_channels(self) -> int:
-        """Payloads this rank sent or received on device channels so far (its mesh's too)."""
-        return sum(channel.carried for channel in self._channels.values())
+        """Payloads this endpoint sent or received on device channels so far."""
+        return carried(self._channels)
 
     def place_for(self, learner: int, numel: int, dtype: torch.dtype) -> Tensor | None:
         """Where the next message's payload of ``numel`` values to ``learner`` can be written now,
