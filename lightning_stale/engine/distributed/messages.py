@@ -162,9 +162,10 @@ def encode_header(message: Message, payload: Tensor | None, inline: int) -> byte
                         *_floats_of(message))
 
 
-def decode_header(data: bytes, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
-    """The message of a header, its payload's size and dtype, and where the payload travels
-    (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`).
+def decode_header(data, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
+    """The message of a header at the start of ``data`` (bytes, or any buffer: a receive buffer
+    is read in place), its payload's size and dtype, and where the payload travels (`SEPARATE`,
+    `INLINE`, `IN_LANE` or `ON_CHANNEL`).
 
     Raises `TransportError` naming ``sender`` for anything that is not a header of this protocol:
     a short frame, a wrong magic number or protocol version, an unknown kind or dtype, or a
