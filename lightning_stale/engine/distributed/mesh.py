@@ -50,6 +50,11 @@ class DataMesh:
                 threading.Thread(target=self._send_loop, args=(peer,), daemon=True, name=f"stale-mesh-send-{peer}"),
                 threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"stale-mesh-recv-{peer}")]
 
+    def payload_device(self, device: torch.device) -> torch.device | None:
+        """Where a payload for the peers is made: on ``device`` (the module's) where it goes
+        device to device on the channels, else None (host memory)."""
+        return device if self.channels else None
+
     @property
     def payloads_on_channels(self) -> int:
         """Payloads this rank's mesh sent or received on device channels so far."""

@@ -208,9 +208,7 @@ class ShardOwner:
             return self._pieces.pop((learner, seq))
 
     def _send(self, command: Message) -> None:
-        # On the device where the slice can go device to device (channels), else in host memory.
-        device = self.state.vectors.device if self.mesh.channels else None
-        payload = self.state.snapshot(self.version, device)
+        payload = self.state.snapshot(self.version, self.mesh.payload_device(self.state.vectors.device))
         self.mesh.send(command.learner, Message(Kind.SLICE, command.learner, self.version,
                                                 delivery=command.delivery, payload=payload,
                                                 ready=streams.mark(payload)))
@@ -248,9 +246,7 @@ class ShardedExchange:
         self._arrived = threading.Condition()
 
     def fill_push(self, message: Message) -> None:
-        # On the device where the pieces can go device to device (channels), else in host memory.
-        device = self.vectors.device if self.mesh.channels else None
-        message.payload, masked = self.vectors.push_vector(device=device)
+        message.payload, masked = self.vectors.push_vector(device=self.mesh.payload_device(self.vectors.device))
         if masked:
             message.flags |= Flag.MASKED
 
