@@ -310,8 +310,12 @@ class FaultHandling:
         """A learner died (``on_learner_failure="continue"``): the default process group lost a
         member, so for the rest of this fit Lightning's collectives are answered locally and
         validation is skipped (its metrics would be reduced with the dead learner, torchmetrics'
-        by torch.distributed directly)."""
-        if self.lost_learner or not self._learner.dead_learners:
+        by torch.distributed directly). Paused at an epoch's end, the learner first waits for
+        the server's roll call, so that a death noticed late is known here all the same."""
+        learner = self._learner
+        if learner.paused:
+            self.guarded(learner.confirm_epoch_end)
+        if self.lost_learner or not learner.dead_learners:
             return
         self.lost_learner = self.local_collectives = True
         if trainer.limit_val_batches:

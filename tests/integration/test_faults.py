@@ -317,10 +317,13 @@ def test_a_frozen_server_is_taken_for_dead_by_its_learners(runs, case):
 # ---------------------------------------------------------------- on_learner_failure="continue"
 
 
-@pytest.mark.parametrize("case", ["continue_k_async", "continue_k_batch_sync", "continue_k_async_lanes"])
+@pytest.mark.parametrize("case", ["continue_k_async", "continue_k_batch_sync", "continue_k_async_lanes",
+                                  "continue_killed_at_epoch_end"])
 def test_with_continue_a_killed_learner_is_dropped_and_the_run_finishes(runs, case):
     """Three learners, K = 2, rank 2 SIGKILLed mid-run under Lightning's own launcher (its
-    payloads in shared memory for the lanes' case)."""
+    payloads in shared memory for the lanes' case; frozen mid-epoch and killed only once the
+    others have ended the epoch, a death the server notices after the epoch's end, in the last
+    case)."""
     run = runs(case)
     assert run.status == 0, run.tail()
     lanes = [1, 2] if case.endswith("_lanes") else []  # the small model's payloads fit a frame

@@ -298,6 +298,48 @@ def test_validation_runs_on_the_servers_parameters_then_training_on_the_learners
     assert module.weight.tolist() == [[0.0, 0.0]]  # its own w_0 again
 
 
+def test_with_a_roll_call_the_learner_reports_the_epochs_end_and_waits_for_the_answer():
+    """on_learner_failure="continue": before Lightning's collectives the learner knows of every
+    death the server noticed, however late; what came meanwhile waits for training, in order."""
+    learner, endpoint, _ = make_learner(roll_call=True)
+    endpoint.inbox.put(epoch_end(epoch=1))
+    step(learner)
+    assert learner.paused and [(m.kind, m.epoch) for m in endpoint.pushed] == [(Kind.PRESENT, 1)]
+    refresh = Message(Kind.PARAMS, version=3, payload=torch.tensor([2.0, 2.0]))
+    answer = Message(Kind.PRESENT, version=0, epoch=1, dead=1)
+    threading.Timer(0.2, lambda: [endpoint.inbox.put(m) for m in (refresh, answer)]).start()
+    began = time.monotonic()
+    learner.confirm_epoch_end()
+    assert time.monotonic() - began >= 0.15 and learner.dead_learners == 1 and learner.version == 0
+    learner.confirm_epoch_end()  # answered: no second wait
+    learner.resume()  # the refresh, taken now, cancels the carried mini-batch
+    assert learner.version == 3 and learner.cancelled == 1 and [m.kind for m in endpoint.pushed] == [Kind.PRESENT]
+
+
+def test_without_a_roll_call_nothing_is_reported_or_waited_for():
+    learner, endpoint, _ = make_learner()
+    endpoint.inbox.put(epoch_end(epoch=1))
+    step(learner)
+    learner.confirm_epoch_end()
+    assert learner.paused and endpoint.pushed == []
+
+
+def test_a_stop_or_an_abort_ends_the_wait_for_the_roll_call():
+    learner, endpoint, _ = make_learner(roll_call=True)
+    endpoint.inbox.put(epoch_end(epoch=1))
+    step(learner)
+    endpoint.inbox.put(Message(Kind.STOP, version=0, payload=torch.tensor([5.0, 6.0])))
+    learner.confirm_epoch_end()  # returns: nobody is removed after the stop
+    learner.confirm_epoch_end()  # (the loader's prefetched batch) the stop is still waiting
+    assert learner.stop_heard() and learner.dead_learners == 0
+    learner, endpoint, _ = make_learner(roll_call=True)
+    endpoint.inbox.put(epoch_end(epoch=1))
+    step(learner)
+    endpoint.inbox.put(Message(Kind.ABORT, version=0, error="learner 2 died: reset"))
+    with pytest.raises(ServerFailed, match="learner 2 died"):
+        learner.confirm_epoch_end()
+
+
 def test_a_stop_heard_at_an_epochs_end_waits_untaken_then_closes_the_fit():
     """The stop that comes while the epoch ends: looked at (the learners agree to stop on it)
     but not taken before the fit ends; closing takes it, with the final parameters."""

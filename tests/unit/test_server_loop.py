@@ -233,6 +233,53 @@ def test_with_continue_a_dead_learner_is_dropped_and_k_clamped():
     assert server.core.rules.k == 2 and server.core.updates == 1
 
 
+def test_the_roll_call_waits_for_every_live_learner_and_counts_one_that_died_before_reporting():
+    # An epoch ends; learner 2 was killed just before, and its connection is seen to break only
+    # after the others reported: they hear the answer then, with the death counted, and not before.
+    server, endpoint = make_server("k_async", k=2, p=3, on_learner_failure="continue", pushes_per_epoch=2)
+    push(server, 0, 0)
+    push(server, 1, 0)
+    assert [(l, m.kind, m.dead) for l, m in endpoint.take() if m.kind == Kind.EPOCH] == [
+        (l, Kind.EPOCH, 0) for l in range(3)]
+    epoch = server.core.epoch
+    server._handle(Message(Kind.PRESENT, 0, epoch=epoch))
+    server._handle(Message(Kind.PRESENT, 1, epoch=epoch))
+    assert endpoint.take() == []  # learner 2 is neither present nor known dead
+    server._handle(Message(Kind.FAILED, learner=2, error="reset"))
+    assert [(l, m.kind, m.epoch, m.dead) for l, m in endpoint.take()] == [
+        (0, Kind.PRESENT, epoch, 1), (1, Kind.PRESENT, epoch, 1)]
+
+
+def test_the_roll_call_is_answered_once_the_last_live_learner_reports():
+    server, endpoint = make_server("k_async", k=2, p=3, on_learner_failure="continue", pushes_per_epoch=2)
+    push(server, 0, 0)
+    push(server, 1, 0)
+    endpoint.take()
+    epoch = server.core.epoch
+    for learner in (2, 0):
+        server._handle(Message(Kind.PRESENT, learner, epoch=epoch))
+        assert endpoint.take() == []
+    server._handle(Message(Kind.PRESENT, 1, epoch=epoch))
+    assert [(l, m.kind, m.dead) for l, m in endpoint.take()] == [(l, Kind.PRESENT, 0) for l in range(3)]
+    server._handle(Message(Kind.FAILED, learner=2, error="reset"))  # later: no second answer
+    assert [m.kind for _, m in endpoint.take()] == []
+
+
+def test_after_the_stop_a_broken_learner_is_not_waited_for_by_the_roll_call():
+    # nothing is removed after the stop, but the learners waiting must not wait for it forever
+    server, endpoint = make_server("k_async", k=2, p=3, on_learner_failure="continue", pushes_per_epoch=2)
+    push(server, 0, 0)
+    push(server, 1, 0)
+    epoch = server.core.epoch
+    server._handle(Message(Kind.HALT, 1))
+    endpoint.take()
+    server._handle(Message(Kind.PRESENT, 0, epoch=epoch))
+    server._handle(Message(Kind.PRESENT, 1, epoch=epoch))
+    server._handle(Message(Kind.FAILED, learner=2, error="reset"))
+    assert server.core.rules.counts.dead_learners == []
+    assert [(l, m.kind, m.dead) for l, m in endpoint.take()] == [(0, Kind.PRESENT, 0), (1, Kind.PRESENT, 0)]
+
+
 def test_continue_needs_k_below_p():
     server, endpoint = make_server("k_sync", k=4, on_learner_failure="continue")
     server._handle(Message(Kind.FAILED, learner=3, error="reset"))

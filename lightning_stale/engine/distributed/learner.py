@@ -90,12 +90,15 @@ class Learner:
         delay_is_total: the drawn delay is the mini-batch's whole time X (see `MiniBatchClock`).
         server_error: returns the error of the server thread on this rank, if it failed.
         server_timeout: seconds of silence after which the server is taken for dead.
+        roll_call: report at every epoch's end and, before validating, wait until the server
+            has heard every learner still alive (`confirm_epoch_end`; ``on_learner_failure=
+            "continue"``, where a learner may die and its death must be known by then).
     """
 
     def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
                  exchange=None, waits_for_answer: bool = True, delay_is_total: bool = False,
                  server_error: Callable[[], str | None] = lambda: None,
-                 server_timeout: float = 30.0) -> None:
+                 server_timeout: float = 30.0, roll_call: bool = False) -> None:
         self.endpoint, self.vectors, self.delay = endpoint, vectors, delay
         self.exchange = (CentralExchange(vectors, getattr(endpoint, "push_buffer", None))
                          if exchange is None else exchange)
@@ -116,6 +119,10 @@ class Learner:
         self.carried: _Carried | None = None
         self._deferred: list[Message] = []  # parameters that arrived during a pause
         self.dead_learners = 0  # learners the server has lost (on_learner_failure="continue")
+        self.roll_call = roll_call
+        self._reported: int | None = None  # the latest epoch whose end this learner reported
+        self._roll_answered = 0  # the latest epoch whose roll call the server answered
+        self._left = False  # said goodbye: nothing more goes to the server
         self.interrupted: str | None = None  # the signal that stopped the run, as the server said
         self._validation_state: torch.Tensor | None = None  # the server's, for validation
         self._own_state: torch.Tensor | None = None  # ours, while validating
@@ -201,7 +208,13 @@ class Learner:
                 self.interrupted = self.interrupted or m.error
                 continue
             self.dead_learners = max(self.dead_learners, m.dead)
+            if m.kind == Kind.PRESENT:
+                self._roll_answered = max(self._roll_answered, m.epoch)
+                continue
             if m.kind == Kind.EPOCH:
+                if self.roll_call and not self._left and (self._reported or 0) < m.epoch:
+                    self._reported = m.epoch
+                    self._send(Message(Kind.PRESENT, version=self.version, epoch=m.epoch))
                 self.exchange.resolve(m, self._check_health)
                 # Only the epoch's own message ends it, and pauses the learner: the refreshes sent
                 # just before it carry the new count too, and an epoch ended on one of them would
@@ -356,6 +369,23 @@ class Learner:
                 return True
 
     # ------------------------------------------------------------------ epochs
+    def confirm_epoch_end(self) -> None:
+        """Paused at an epoch's end, wait for the server's answer to the roll call (``roll_call``):
+        every learner still alive has reported, one that died before is counted in
+        ``dead_learners``. Lightning's collectives on the default process group follow (validation,
+        the epoch's end), and a death the server noticed only after the epoch's end would fail
+        them. Messages other than the answer wait for `resume`, in order, as during the pause; a
+        STOP ends the wait (no more learners are removed after it)."""
+        epoch = self._reported
+        while epoch is not None and self._roll_answered < epoch and not self.stopped:
+            if any(m.kind == Kind.STOP for m in self._deferred):
+                return
+            for m in self._wait(None):
+                if m.kind in (Kind.FAILED, Kind.ABORT, Kind.PRESENT):
+                    self._take([m])  # (a failure raises)
+                else:
+                    self._deferred.append(m)
+
     def enter_validation(self) -> None:
         """Validation at an epoch's end runs on the server's parameters and buffers."""
         if self._validation_state is not None and self._own_state is None:
@@ -399,6 +429,7 @@ class Learner:
         deferred, self._deferred = self._deferred, []
         self._absorb(deferred)  # a STOP heard at the epoch's end may wait among them
         delays = torch.tensor(self.delays, dtype=torch.float64) if self.delays else None
+        self._left = True
         self._send(Message(Kind.BYE, version=self.version, cancelled=self.cancelled, payload=delays))
         deadline = time.monotonic() + timeout
         while not self.stopped:

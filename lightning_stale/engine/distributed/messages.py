@@ -79,6 +79,10 @@ class Kind(IntEnum):
     # learner -> server: its Trainer was asked to stop mid-epoch (a callback such as Timer for
     # max_time): training stops for everyone, each learner on the server's STOP.
     HALT = 19
+    # Under on_learner_failure="continue", the roll call at an epoch's end. Learner -> server: it
+    # heard the EPOCH of ``epoch`` and paused; server -> learner: every learner still alive has
+    # (one that died before it is removed first), ``dead`` is final for the epoch's collectives.
+    PRESENT = 20
 
 
 _RECEIVED_KINDS = frozenset(Kind) - {Kind.FAILED}  # (FAILED is made locally, never sent)

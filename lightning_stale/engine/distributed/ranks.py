@@ -287,7 +287,8 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                       waits_for_answer=variant.pusher_needs_answer,
                       delay_is_total=options.delay_is_total,
                       server_error=lambda: server.error if server else None,
-                      server_timeout=options.server_timeout)
+                      server_timeout=options.server_timeout,
+                      roll_call=options.on_learner_failure == "continue" and variant.p > 1)
     return learner, server
 
 

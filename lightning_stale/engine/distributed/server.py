@@ -9,7 +9,9 @@ with its parameters to validate, and pauses its clock until rank 0's learner res
 Faults: any exception in this thread, a learner's ABORT (its error) or a learner whose
 connection breaks ends the run at once: every learner gets an ABORT naming the cause, and
 ``error`` holds it. With ``on_learner_failure="continue"`` a learner whose connection breaks is
-removed instead (`ServerCore.remove_learner`) and training goes on, where the variant allows.
+removed instead (`ServerCore.remove_learner`) and training goes on, where the variant allows;
+at every epoch's end the learners then wait for a roll call (`_answer_roll_call`), so that a
+death is known before Lightning's collectives, however late the connection is seen to break.
 A learner's INTERRUPT (a signal on its process) is no failure: every learner is told the reason
 (``interruption``) and then stopped, and leaves through the goodbye protocol as at a normal end.
 """
@@ -65,6 +67,8 @@ class ParameterServer:
         self._cause = 0.0  # arrival time of the push being decided (see `Message.age`)
         self._paused = False  # an epoch ended; training resumes with rank 0's RESUME
         self._held: list[Message] = []  # pushes that arrived during the pause
+        self._present: dict[int, set[int]] = {}  # epoch -> learners paused at its end (roll call)
+        self._lost: set[int] = set()  # learners whose connection broke, removed or not
         # On a GPU the server works on a stream of its own (`engine.streams`: on the default one,
         # its copies to the host would queue behind the training thread's collectives).
         device = core.state.vectors.device if core.state is not None else torch.device("cpu")
@@ -183,6 +187,9 @@ class ParameterServer:
             self._interrupt(event.error)
         elif event.kind == Kind.FAILED:
             self._on_broken(event)
+        elif event.kind == Kind.PRESENT:
+            self._present.setdefault(event.epoch, set()).add(event.learner)
+            self._answer_roll_call()
 
     def _on_push(self, message: Message) -> None:
         # Answers count their age from the push's arrival. Two receiving threads can queue pushes
@@ -211,7 +218,9 @@ class ParameterServer:
 
     def _on_broken(self, event: Message) -> None:
         learner = event.learner
+        self._lost.add(learner)
         if learner in self.learner_reports or self.core.stopped:
+            self._answer_roll_call()  # (after the stop nothing more is removed: it is not waited for)
             return  # it left, or is leaving: its connection closing is no fault
         k, p = self.core.rules.k, self.core.rules.p
         if self.on_learner_failure != "continue" or k == p:
@@ -225,6 +234,22 @@ class ParameterServer:
         with self.lock:
             outcome = self.core.remove_learner(learner, time.monotonic())
             self._answer(outcome)
+        self._answer_roll_call()
+
+    def _answer_roll_call(self) -> None:
+        """Under ``on_learner_failure="continue"`` the learners validate only after every
+        learner still alive has reported at the epoch's end (`Kind.PRESENT`). A learner that died
+        before it never reports: its broken connection removes it, and the answer counts it dead,
+        so the others know before Lightning's collectives on the default process group, which
+        would otherwise fail on the dead member (a death noticed after the epoch's end)."""
+        alive = set(self.core.rules.alive) - self._lost - set(self.learner_reports)
+        for epoch in sorted(self._present):
+            if not alive <= self._present[epoch]:
+                continue
+            del self._present[epoch]
+            dead = len(self.core.rules.counts.dead_learners)
+            for learner in sorted(alive):
+                self.endpoint.send(learner, Message(Kind.PRESENT, learner, self.core.version, epoch, dead=dead))
 
     def _answer(self, outcome: Outcome) -> None:
         if outcome.update is not None:

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +56,9 @@ CASES = {
     # rank 0 SIGKILLs learner 2 (VICTIM): only the server knows when every learner is training
     "continue_k_async": (0, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
     "continue_k_batch_sync": (0, signal.SIGKILL, 3, "k_batch_sync", 2, CONTINUE),
+    # learner 2 frozen (SIGSTOP) mid-epoch, SIGKILLed 1 s after the server ended that epoch: the
+    # others wait at the roll call then, and learn of the death before Lightning's collectives
+    "continue_killed_at_epoch_end": (0, "freeze_then_kill", 3, "k_async", 2, CONTINUE),
     "resume": (None, None, 2, "k_async", 1, {}),
     # the scaled paths: the learners' own all-reduce and optimizer step (collective), the shard
     # owners' threads in every process (sharded)
@@ -151,10 +155,22 @@ class Inject(pl.Callback):
         if FAULT == "callback":
             fault_now(FAULT)
             raise KeyError("callback failed")
+        pid = os.getpid() if VICTIM == INJECTOR else json.loads((OUT / f"pid_{VICTIM}").read_text())
         if isinstance(FAULT, signal.Signals):
             fault_now(FAULT.name)
-            pid = os.getpid() if VICTIM == INJECTOR else json.loads((OUT / f"pid_{VICTIM}").read_text())
             os.kill(pid, FAULT)
+        if FAULT == "freeze_then_kill":
+            os.kill(pid, signal.SIGSTOP)
+            threading.Thread(target=self.kill_after_epoch_end, args=(trainer.strategy.core, pid), daemon=True).start()
+
+    @staticmethod
+    def kill_after_epoch_end(core, pid):
+        epoch, deadline = core.epoch, time.monotonic() + 60
+        while core.epoch == epoch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.0)  # the others have paused at the epoch's end by now
+        fault_now("SIGKILL")
+        os.kill(pid, signal.SIGKILL)
 
     def _ready(self, trainer):
         core = trainer.strategy.core  # on rank 0
