@@ -39,6 +39,7 @@ import time
 from typing import Any, Callable
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
@@ -313,8 +314,9 @@ class FaultHandling:
         by torch.distributed directly). Paused at an epoch's end, the learner first waits for
         the server's roll call, so that a death noticed late is known here all the same."""
         learner = self._learner
-        if learner.paused:
-            self.guarded(learner.confirm_epoch_end)
+        if learner.paused:  # (bounded as Lightning's collectives are: the process group's timeout)
+            timeout = self._timeout.total_seconds() if self._timeout is not None else default_pg_timeout.total_seconds()
+            self.guarded(learner.confirm_epoch_end, timeout)
         if self.lost_learner or not learner.dead_learners:
             return
         self.lost_learner = self.local_collectives = True

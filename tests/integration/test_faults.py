@@ -114,7 +114,7 @@ def launch(case, tmp_path, *args, frozen=()):
                frozen_status)
 
 
-FROZEN = {"sigstop_server": (0,)}  # a case's ranks left stopped by its fault (see `launch`)
+FROZEN = {"sigstop_server": (0,), "continue_frozen_at_epoch_end": (2,)}  # a case's ranks left stopped by its fault (see `launch`)
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +344,17 @@ def test_with_continue_a_killed_learner_is_dropped_and_the_run_finishes(runs, ca
     assert "a learner died; validation is skipped for the rest of this fit" in run.output
     # the learners left said goodbye; the dead one's delays are lost with it
     assert_books_and_logs(run, trace_learners={0, 1})
+
+
+@pytest.mark.parametrize("case", ["continue_frozen_at_epoch_end"])
+def test_with_continue_a_learner_frozen_at_an_epochs_end_fails_the_run_after_the_timeout(runs, case):
+    """Rank 2 SIGSTOPped mid-epoch for good: neither dead nor at the epoch's end, it holds up the
+    roll call, which ends the run after the strategy's timeout (4 s here) instead of waiting."""
+    run = runs(case)
+    assert run.status == 1 and "terminate called" not in run.output, run.tail()
+    assert 4.0 < run.gone_after < 4.0 + DEADLINE_S, (run.gone_after, run.tail())
+    assert run.ends == {0: {"raised": run.ends[0]["raised"]}, 1: {"raised": run.ends[1]["raised"]}}
+    assert run.ends[0]["raised"] and run.ends[1]["raised"], run.ends
+    for rank in (0, 1):  # its own timeout, or the server's abort naming the learner's
+        assert "no answer from the server to the roll call at the end of epoch" in run.exceptions[rank]["message"]
+    assert run.rank0["stats"]["dead_learners"] == [] and books_balance(run.rank0["stats"])

@@ -309,18 +309,28 @@ def test_with_a_roll_call_the_learner_reports_the_epochs_end_and_waits_for_the_a
     answer = Message(Kind.PRESENT, version=0, epoch=1, dead=1)
     threading.Timer(0.2, lambda: [endpoint.inbox.put(m) for m in (refresh, answer)]).start()
     began = time.monotonic()
-    learner.confirm_epoch_end()
+    learner.confirm_epoch_end(timeout=5.0)
     assert time.monotonic() - began >= 0.15 and learner.dead_learners == 1 and learner.version == 0
-    learner.confirm_epoch_end()  # answered: no second wait
+    learner.confirm_epoch_end(timeout=5.0)  # answered: no second wait
     learner.resume()  # the refresh, taken now, cancels the carried mini-batch
     assert learner.version == 3 and learner.cancelled == 1 and [m.kind for m in endpoint.pushed] == [Kind.PRESENT]
+
+
+def test_a_roll_call_held_up_by_a_frozen_learner_fails_after_the_timeout_naming_it():
+    learner, endpoint, _ = make_learner(roll_call=True)
+    endpoint.inbox.put(epoch_end(epoch=1))
+    step(learner)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="roll call at the end of epoch 0 within 0.3 s: .*frozen"):
+        learner.confirm_epoch_end(timeout=0.3)
+    assert 0.25 <= time.monotonic() - began < 2.0 and learner.failure is None  # the strategy reports it
 
 
 def test_without_a_roll_call_nothing_is_reported_or_waited_for():
     learner, endpoint, _ = make_learner()
     endpoint.inbox.put(epoch_end(epoch=1))
     step(learner)
-    learner.confirm_epoch_end()
+    learner.confirm_epoch_end(timeout=5.0)
     assert learner.paused and endpoint.pushed == []
 
 
@@ -329,15 +339,15 @@ def test_a_stop_or_an_abort_ends_the_wait_for_the_roll_call():
     endpoint.inbox.put(epoch_end(epoch=1))
     step(learner)
     endpoint.inbox.put(Message(Kind.STOP, version=0, payload=torch.tensor([5.0, 6.0])))
-    learner.confirm_epoch_end()  # returns: nobody is removed after the stop
-    learner.confirm_epoch_end()  # (the loader's prefetched batch) the stop is still waiting
+    learner.confirm_epoch_end(timeout=5.0)  # returns: nobody is removed after the stop
+    learner.confirm_epoch_end(timeout=5.0)  # (the loader's prefetched batch) the stop is still waiting
     assert learner.stop_heard() and learner.dead_learners == 0
     learner, endpoint, _ = make_learner(roll_call=True)
     endpoint.inbox.put(epoch_end(epoch=1))
     step(learner)
     endpoint.inbox.put(Message(Kind.ABORT, version=0, error="learner 2 died: reset"))
     with pytest.raises(ServerFailed, match="learner 2 died"):
-        learner.confirm_epoch_end()
+        learner.confirm_epoch_end(timeout=5.0)
 
 
 def test_a_stop_heard_at_an_epochs_end_waits_untaken_then_closes_the_fit():

@@ -369,18 +369,27 @@ class Learner:
                 return True
 
     # ------------------------------------------------------------------ epochs
-    def confirm_epoch_end(self) -> None:
+    def confirm_epoch_end(self, timeout: float) -> None:
         """Paused at an epoch's end, wait for the server's answer to the roll call (``roll_call``):
         every learner still alive has reported, one that died before is counted in
         ``dead_learners``. Lightning's collectives on the default process group follow (validation,
         the epoch's end), and a death the server noticed only after the epoch's end would fail
         them. Messages other than the answer wait for `resume`, in order, as during the pause; a
-        STOP ends the wait (no more learners are removed after it)."""
-        epoch = self._reported
+        STOP ends the wait (no more learners are removed after it). A learner frozen before it
+        reported holds the answer up: after ``timeout`` seconds (the bound of those collectives)
+        this raises `TimeoutError`, which the strategy reports to the server as this learner's
+        failure, ending the run."""
+        epoch, deadline = self._reported, time.monotonic() + timeout
         while epoch is not None and self._roll_answered < epoch and not self.stopped:
             if any(m.kind == Kind.STOP for m in self._deferred):
                 return
-            for m in self._wait(None):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"learner {self.rank}: no answer from the server to the roll call at the end of epoch "
+                    f"{epoch - 1} within {timeout:g} s: a learner that is neither dead nor at the epoch's end "
+                    "(frozen?) holds it up, as it would Lightning's collectives (the strategy's `timeout`)")
+            for m in self._wait(remaining):
                 if m.kind in (Kind.FAILED, Kind.ABORT, Kind.PRESENT):
                     self._take([m])  # (a failure raises)
                 else:

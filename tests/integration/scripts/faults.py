@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -59,6 +60,9 @@ CASES = {
     # learner 2 frozen (SIGSTOP) mid-epoch, SIGKILLed 1 s after the server ended that epoch: the
     # others wait at the roll call then, and learn of the death before Lightning's collectives
     "continue_killed_at_epoch_end": (0, "freeze_then_kill", 3, "k_async", 2, CONTINUE),
+    # learner 2 frozen mid-epoch for good: the roll call at the epoch's end fails the run after
+    # the strategy's timeout (that of Lightning's collectives, which would wait as long), 4 s here
+    "continue_frozen_at_epoch_end": (0, signal.SIGSTOP, 3, "k_async", 2, CONTINUE),
     "resume": (None, None, 2, "k_async", 1, {}),
     # the scaled paths: the learners' own all-reduce and optimizer step (collective), the shard
     # owners' threads in every process (sharded)
@@ -77,7 +81,8 @@ CASES = {
 # else 0.2k
 HIDDEN = (320, 320) if CASE.endswith(("_lanes", "_channels")) else (16,)
 INJECTOR, FAULT, DEVICES, VARIANT, K, OPTIONS = CASES[CASE]
-VICTIM = 2 if OPTIONS == CONTINUE else INJECTOR  # the process a signal is sent to
+SURVIVE = OPTIONS.get("on_learner_failure") == "continue"
+VICTIM = 2 if SURVIVE else INJECTOR  # the process a signal is sent to
 armed = False  # the server's own faults (optimizer, scheduler) fire once this is set
 
 
@@ -137,6 +142,9 @@ class Inject(pl.Callback):
 
     def on_train_start(self, trainer, module):
         write_json(f"pid_{trainer.global_rank}", os.getpid())  # atomic: the test polls for it
+        if CASE == "continue_frozen_at_epoch_end":
+            # the bound of the collectives, cut once set up (the launch itself takes longer)
+            trainer.strategy._timeout = timedelta(seconds=4)
 
     def on_train_epoch_start(self, trainer, module):
         core = trainer.strategy.core
@@ -174,7 +182,7 @@ class Inject(pl.Callback):
 
     def _ready(self, trainer):
         core = trainer.strategy.core  # on rank 0
-        if OPTIONS == CONTINUE:
+        if SURVIVE:
             # Killed while every learner trains, well inside an epoch (after the first): every
             # learner has pushed twice since the epoch's start (so none is still validating: one
             # push may have left before the epoch's end), and the server has received at most
@@ -203,7 +211,7 @@ def main():
     strategy = StaleStrategy(VARIANT, K, delay=Exponential(mean=0.01, seed=0), **OPTIONS)
     wallclock = WallClockLogger()
     # K = 2 of 3 learners, 8 mini-batches per learner and epoch: an epoch is 12 updates
-    epochs = dict(limit_train_batches=8, limit_val_batches=2) if OPTIONS == CONTINUE else {}
+    epochs = dict(limit_train_batches=8, limit_val_batches=2) if SURVIVE else {}
     trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, max_steps=MAX_STEPS, strategy=strategy,
                          logger=CSVLogger(OUT, name="logs", version=0),
                          callbacks=[Inject(), wallclock, OnExceptionCheckpoint(OUT)],
