@@ -315,8 +315,7 @@ class FaultHandling:
         the server's roll call, so that a death noticed late is known here all the same."""
         learner = self._learner
         if learner.paused:  # (bounded as Lightning's collectives are: the process group's timeout)
-            timeout = self._timeout.total_seconds() if self._timeout is not None else default_pg_timeout.total_seconds()
-            self.guarded(learner.confirm_epoch_end, timeout)
+            self.guarded(learner.confirm_epoch_end, (self._timeout or default_pg_timeout).total_seconds())
         if self.lost_learner or not learner.dead_learners:
             return
         self.lost_learner = self.local_collectives = True
