@@ -10,9 +10,10 @@ An epoch's end is a pause of the whole process (docs/method.md, "Setting"; the r
 the README): the mini-batch in flight (computed, or in its delay, or waiting for its answer) is
 carried into the next epoch and finished first (`resume`); a mini-batch that Lightning starts
 after the epoch ended (its loader had already fetched it) is discarded and counted; the pause is
-excluded from every clock. Validation runs on the server's parameters (`enter_validation`). A
-learner whose answer ends the epoch pauses at that answer (`_absorb`), so what it carries or
-discards there never depends on when the epoch's message arrives.
+excluded from every clock. Validation runs on the server's parameters (`enter_validation`),
+after the roll call where learners may die (`confirm_epoch_end`). A learner whose answer ends
+the epoch pauses at that answer (`_absorb`), so what it carries or discards there never depends
+on when the epoch's message arrives.
 
 Failures: an ABORT from the server, a broken connection, or a server silent for longer than
 ``server_timeout`` (heartbeats keep a busy server audible) raise `ServerFailed` (or
@@ -259,11 +260,19 @@ class Learner:
         """Whether the server's STOP has reached this learner, taken or not. Messages looked at
         here stay queued, in order, for `resume` or `close` to take (taking parameters now
         could cross validation's collectives); a failure raises at once."""
-        arrived = self._drain()
-        for m in arrived:
-            if m.kind in (Kind.FAILED, Kind.ABORT):
-                self._absorb([m])  # raises
-        self._deferred += arrived
+        self._set_aside(self._drain())
+        return self._stop_waits()
+
+    def _set_aside(self, messages: list[Message]) -> None:
+        """Messages looked at during a pause: a failure raises at once, the roll call's answer is
+        taken, the others wait for `resume` or `close`, in order."""
+        for m in messages:
+            if m.kind in (Kind.FAILED, Kind.ABORT, Kind.PRESENT):
+                self._take([m])  # (a failure raises)
+            else:
+                self._deferred.append(m)
+
+    def _stop_waits(self) -> bool:
         return self.stopped or any(m.kind == Kind.STOP for m in self._deferred)
 
     # ------------------------------------------------------------------ one step
@@ -380,20 +389,14 @@ class Learner:
         this raises `TimeoutError`, which the strategy reports to the server as this learner's
         failure, ending the run."""
         epoch, deadline = self._reported, time.monotonic() + timeout
-        while epoch is not None and self._roll_answered < epoch and not self.stopped:
-            if any(m.kind == Kind.STOP for m in self._deferred):
-                return
+        while epoch is not None and self._roll_answered < epoch and not self._stop_waits():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
                     f"learner {self.rank}: no answer from the server to the roll call at the end of epoch "
                     f"{epoch - 1} within {timeout:g} s: a learner that is neither dead nor at the epoch's end "
                     "(frozen?) holds it up, as it would Lightning's collectives (the strategy's `timeout`)")
-            for m in self._wait(remaining):
-                if m.kind in (Kind.FAILED, Kind.ABORT, Kind.PRESENT):
-                    self._take([m])  # (a failure raises)
-                else:
-                    self._deferred.append(m)
+            self._set_aside(self._wait(remaining))
 
     def enter_validation(self) -> None:
         """Validation at an epoch's end runs on the server's parameters and buffers."""
