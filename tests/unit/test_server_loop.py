@@ -7,6 +7,7 @@ can be checked exactly. The real transport is exercised by tests/integration/tes
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -417,6 +418,11 @@ def test_coalesce_keeps_the_newest_parameters_and_every_epoch_end():
     merged = coalesce([p1, beat, p2, cont, epoch, beat])
     assert [(m.kind, m.version) for m in merged] == [(Kind.PARAMS, 2), (Kind.EPOCH, 2)]
     assert merged[0].payload.item() == 1.0 and merged[1].payload.item() == 7.0
+    # a CUDA snapshot's event goes with its parameters: sent before it, the payload may be unwritten
+    made, later = object(), object()
+    p2, cont = replace(p2, ready=made), replace(cont, ready=None)
+    assert coalesce([p2, cont])[0].ready is made
+    assert coalesce([p2, replace(cont, kind=Kind.PARAMS, ready=later)])[0].ready is later
     stop = Message(Kind.STOP, version=3, epoch=1, payload=torch.full((1,), 3.0))
     assert coalesce([p1, stop])[-1] is stop
     assert coalesce([beat]) == [beat]

@@ -228,7 +228,7 @@ def coalesce(messages: list[Message]) -> list[Message]:
         if last.kind != Kind.PARAMS and refreshes:  # keep the newest parameters (or their slices)
             newest = refreshes[-1]
             last = replace(last, kind=Kind.PARAMS, payload=newest.payload, version=newest.version,
-                           delivery=newest.delivery, flags=newest.flags)
+                           delivery=newest.delivery, flags=newest.flags, ready=newest.ready)
         out.append(last)
         run.clear()
 
