@@ -344,6 +344,7 @@ def load_gradients(params: Sequence[Tensor], flat: Tensor, present: Tensor | Non
     """Set each parameter's ``grad`` from its part of ``flat`` (a view where dtype and device
     allow: ``flat`` must not be reused); a parameter whose ``present`` is False gets
     ``grad = None``, so that the optimizer skips it (as it would under DDP)."""
+    present = None if present is None else present.tolist()  # (one read of a CUDA mask, not one per tensor)
     for i, (p, part) in enumerate(zip(params, torch.split(flat, [p.numel() for p in params]))):
         if present is not None and not present[i]:
             p.grad = None

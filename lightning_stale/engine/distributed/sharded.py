@@ -371,8 +371,11 @@ class ShardedPayloads:
             parts = self._gathered[request] if keep else self._gathered.pop(request)
         states = [parts[(o, False)].payload if parts[(o, False)].payload is not None else torch.zeros(0)
                   for o in range(self.p)]
-        saved = [torch.load(io.BytesIO(parts[(o, True)].payload.numpy().tobytes()), weights_only=True)
-                 for o in range(self.p)]
+        # On the host: an owner's optimizer state was saved from its own GPU, which rank 0 must
+        # not allocate on (nor may be able to see); loading it into an optimizer moves it to the
+        # parameters' device.
+        saved = [torch.load(io.BytesIO(parts[(o, True)].payload.numpy().tobytes()), map_location="cpu",
+                            weights_only=True) for o in range(self.p)]
         return states, saved, parts[(0, False)].version
 
     def _to_owners(self, command: Message) -> None:
