@@ -11,26 +11,76 @@ engine's threads depend on the training thread only through events recorded when
 changes hands (the CUDA semantics of streams and events, and of ``Tensor.record_stream`` for the
 caching allocator, are PyTorch's, docs "CUDA semantics", section "CUDA streams").
 
+Which streams: PyTorch hands streams out of pools of 32 per device and priority level, in turn
+(``torch.cuda.Stream``; c10/cuda/CUDAStream.cpp, ``kStreamsPerPool``, ``getStreamFromPool``), and
+NCCL's process groups take theirs from the same pools: the default level's, or the most urgent
+one's for a group that asks for high priority. Two users of one stream wait for each other on the
+GPU, and where one of them waits for its peers (a collective, a channel's payload) the other can
+deadlock across ranks. So the engine's streams (`engine_stream`) come from a level that neither
+kind of NCCL group uses (`ENGINE_PRIORITY`, where the device offers three levels or more:
+`separate_levels`), one per role and device, made once and kept for the process's life: however
+many fits a process runs, it never takes more than `engine_streams_needed` of them, and none of
+them is ever another's. The device channels' groups ask for the most urgent level
+(`engine.distributed.channels`). A new thread starts on GPU 0: every function here that touches
+a device sets it first, so no engine thread makes a CUDA context on another rank's GPU.
+
 On the CPU every function here does nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import threading
+from typing import Hashable, Iterator
 
 import torch
 from torch import Tensor
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """A new stream on ``device`` that starts after the work queued so far on the current one
-    (the state the engine copied from the module there), or None off CUDA."""
+STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp, kStreamsPerPool
+# The level after the default's: NCCL's groups use the default level (0) or, asking for high
+# priority, the most urgent one (-(levels - 1)), PyTorch keeping up to 4 (c10's
+# max_compile_time_stream_priorities); CUDA devices since Turing offer 6 (0 to -5).
+ENGINE_PRIORITY = -1
+_engine_streams: dict[tuple[torch.device, Hashable], torch.cuda.Stream] = {}
+_engine_lock = threading.Lock()
+
+
+def engine_stream(device: torch.device, role: Hashable) -> torch.cuda.Stream | None:
+    """The engine's stream for ``role`` (the server, a shard owner, a channel, ...) on ``device``,
+    the same one every time this process asks (see the module docstring), or None off CUDA."""
     if device.type != "cuda":
         return None
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    with _engine_lock:
+        stream = _engine_streams.get((device, role))
+        if stream is None:
+            stream = _engine_streams[(device, role)] = torch.cuda.Stream(device, priority=ENGINE_PRIORITY)
     return stream
+
+
+def side_stream(device: torch.device, role: Hashable) -> torch.cuda.Stream | None:
+    """`engine_stream` for ``role``, after the work queued so far on the current stream (the
+    state the engine copied from the module there), or None off CUDA."""
+    stream = engine_stream(device, role)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
+def engine_streams_needed(channels: int) -> int:
+    """The most streams one process of the engine holds at its level: the server's, a shard
+    owner's, the copies' to the host, the readers', and one per device channel it holds."""
+    return 4 + channels
+
+
+def separate_levels(device: torch.device) -> bool:
+    """Whether ``device`` offers the three stream priority levels that keep the engine's
+    streams apart from both kinds of NCCL group (ROCm offers two)."""
+    if device.type != "cuda":
+        return True
+    with torch.cuda.device(device):
+        least, greatest = torch.cuda.Stream.priority_range()
+    return least - greatest + 1 >= 3
 
 
 @contextlib.contextmanager
@@ -60,8 +110,9 @@ def mark(tensor: Tensor | None) -> torch.cuda.Event | None:
     CUDA tensor that another thread will use next (its ``Message.ready``)."""
     if tensor is None or not tensor.is_cuda:
         return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.device(tensor.device):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
     return event
 
 
@@ -71,9 +122,10 @@ def receive(tensor: Tensor | None, ready: torch.cuda.Event | None) -> None:
     to the other stream's next tensor before this stream is done with it."""
     if ready is None or tensor is None or not tensor.is_cuda:
         return
-    stream = torch.cuda.current_stream(tensor.device)
-    stream.wait_event(ready)
-    tensor.record_stream(stream)
+    with torch.cuda.device(tensor.device):
+        stream = torch.cuda.current_stream(tensor.device)
+        stream.wait_event(ready)
+        tensor.record_stream(stream)
 
 
 def hold(tensor: Tensor, stream: torch.cuda.Stream | None) -> None:
@@ -82,10 +134,8 @@ def hold(tensor: Tensor, stream: torch.cuda.Stream | None) -> None:
     work ``stream`` waits for): freed earlier, it could go to its own stream's next tensor while
     still being read."""
     if stream is not None and tensor.is_cuda:
-        tensor.record_stream(stream)
-
-
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        with torch.cuda.device(tensor.device):
+            tensor.record_stream(stream)
 
 
 def to_host(tensor: Tensor, ready: torch.cuda.Event | None) -> Tensor:
@@ -93,11 +143,9 @@ def to_host(tensor: Tensor, ready: torch.cuda.Event | None) -> Tensor:
     the host for ``ready`` and runs on a stream of its own, never behind another stream's work."""
     if not tensor.is_cuda:
         return tensor
-    if ready is not None:
-        ready.synchronize()
-    stream = _copy_streams.get(tensor.device) or _copy_streams.setdefault(tensor.device,
-                                                                          torch.cuda.Stream(tensor.device))
-    with on(stream):
+    with on(engine_stream(tensor.device, "copies")):
+        if ready is not None:
+            ready.synchronize()
         return tensor.cpu()
 
 
@@ -107,9 +155,8 @@ def reading(stream: torch.cuda.Stream | None) -> Iterator[None]:
     holds that thread still (its lock): the reads run on a stream of their own that starts after
     ``stream``'s work so far (not on the caller's, which may wait for a collective), and are
     complete when this ends, before the engine thread changes the state again."""
-    reader = None
-    if stream is not None:
-        reader = torch.cuda.Stream(stream.device)
-        reader.wait_stream(stream)
+    reader = engine_stream(stream.device, "readers") if stream is not None else None
     with running_on(reader):
+        if reader is not None:
+            reader.wait_stream(stream)
         yield

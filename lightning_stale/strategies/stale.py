@@ -17,8 +17,9 @@ from lightning_stale.delays.models import DelayModel
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
+from lightning_stale.engine.distributed.channels import close_channels
 from lightning_stale.engine.distributed.ranks import (RankOptions, build_rank, channel_backend, check_path,
-                                                      overlaps, settle_path)
+                                                      levels_agree, overlaps, settle_path)
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
@@ -185,6 +186,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.hold_freed_memory, self.shared_memory = hold_freed_memory, shared_memory
         self.overlap_allreduce, self.payload_channels = overlap_allreduce, payload_channels
         self._channels: str | None = None  # the backend of this fit's device channels
+        self._channel_ends: dict = {}  # and this rank's ends of them
         self.overlapped_updates = 0  # this rank's updates reduced during backward (last fit)
         self._server_group = None
         self._server: ParameterServer | None = None
@@ -298,16 +300,17 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                      "which may change the gradients", ", ".join(hooks))
         overlap = overlap and not hooks
         vectors = ModelVectors.of(self.lightning_module)
-        self._channels = channel_backend(self.payload_channels, self.path, self.world_size,
-                                         dist.get_backend() if self.world_size > 1 else None,
+        backend = dist.get_backend() if self.world_size > 1 else None
+        self._channels = channel_backend(self.payload_channels, self.path, self.world_size, backend,
                                          self.root_device, self.on_learner_failure,
-                                         vectors.max_push_numel() * vectors.dtype.itemsize)
+                                         vectors.max_push_numel() * vectors.dtype.itemsize,
+                                         backend != "nccl" or levels_agree(self._server_group, self.root_device))
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
                               self.server_timeout, self.staleness_compensation, self._adaptive,
                               self.shared_memory, overlap, self.shutdown_timeout, self._channels)
-        learner, self._server = build_rank(self.global_rank, self._server_group, self.lightning_module,
-                                           self.optimizers[0], self._schedulers, variant, limits, options,
-                                           self._resume, self._clip, lanes=lanes)
+        learner, self._server, self._channel_ends = build_rank(
+            self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
+            variant, limits, options, self._resume, self._clip, lanes=lanes)
         self._learner, self._resume = learner, None
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
         self.shard_layout = getattr(learner.exchange, "layout", None)
@@ -504,8 +507,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             if self._server_group is not None and not failed:
                 # (a group whose connections broke is left to the process's exit: destroying
                 # it under a thread blocked in a receive aborts the process)
+                close_channels(self._channel_ends)
                 dist.destroy_process_group(self._server_group)
-            self._server_group = None
+            self._server_group, self._channel_ends = None, {}
             if dist.is_available() and dist.is_initialized():
                 destroy_groups_at_exit(clean=not failed)
         finally:

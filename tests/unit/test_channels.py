@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_stale.engine.distributed import channels as channels_module
-from lightning_stale.engine.distributed.channels import Channel, channel_pairs, open_channels
+from lightning_stale.engine.distributed.channels import Channel, channel_pairs, close_channels, open_channels
 
 
 def test_a_sent_payload_is_held_for_the_channels_stream_after_its_send(monkeypatch):
@@ -28,6 +28,59 @@ def test_a_sent_payload_is_held_for_the_channels_stream_after_its_send(monkeypat
     assert channel.carried == 1
 
 
+def test_a_send_waits_for_its_payload_on_its_channels_device(monkeypatch):
+    """A sending thread starts on GPU 0: the wait for the payload's event (a CUDA call) comes
+    after the channel has set its own device and stream."""
+    calls = []
+
+    @contextlib.contextmanager
+    def on(stream):
+        calls.append(("enter", stream))
+        yield
+        calls.append(("leave", stream))
+
+    class Ready:
+        def synchronize(self):
+            calls.append(("synchronize",))
+
+    monkeypatch.setattr(channels_module.streams, "on", on)
+    monkeypatch.setattr(channels_module.dist, "send", lambda t, dst, group: calls.append(("send",)))
+    channel = Channel(group="group", src=0, dst=1, device=torch.device("cpu"))
+    channel.stream = "channel stream"
+    channel.send(torch.ones(3), Ready())
+    assert calls[:4] == [("enter", "channel stream"), ("synchronize",), ("send",), ("leave", "channel stream")]
+
+
+class FakeNCCLOptions:
+    is_high_priority_stream = False
+
+
+def test_nccl_channel_groups_ask_for_the_most_urgent_stream_level(monkeypatch):
+    """A group's stream comes from PyTorch's pools: the channels' from the level neither the
+    default group nor the engine's own streams use (`engine.streams`)."""
+    fake = Rendezvous(2)
+    monkeypatch.setattr(channels_module.dist, "new_group", fake.new_group)
+    monkeypatch.setattr(channels_module.dist, "ProcessGroupNCCL",
+                        type("FakeProcessGroupNCCL", (), {"Options": FakeNCCLOptions}), raising=False)
+    monkeypatch.setattr(channels_module, "_first_exchange", lambda *args: None)
+    timeout = datetime.timedelta(seconds=5)
+    open_channels(0, [(0, 1)], "nccl", torch.device("cpu"), timeout)
+    assert isinstance(fake.options, FakeNCCLOptions) and fake.options.is_high_priority_stream
+    open_channels(0, [(0, 1)], "gloo", torch.device("cpu"), timeout)
+    assert fake.options is None
+
+
+def test_a_clean_end_destroys_each_channels_group_once_and_keeps_its_count(monkeypatch):
+    destroyed = []
+    monkeypatch.setattr(channels_module.dist, "destroy_process_group", destroyed.append)
+    ends = {(0, 1): Channel("up", 0, 1, torch.device("cpu")), (1, 0): Channel("down", 1, 0, torch.device("cpu"))}
+    ends[(0, 1)].carried = 4
+    close_channels(ends)
+    close_channels(ends)  # (a second teardown destroys nothing)
+    assert destroyed == ["up", "down"]
+    assert channels_module.carried(ends) == 4  # the run's stats still read them
+
+
 class Rendezvous:
     """Stands in for torch.distributed across ``world`` ranks run as threads: a send waits until
     its receiver posts the matching receive (as NCCL's first operation on a group waits for both
@@ -38,7 +91,8 @@ class Rendezvous:
         self.lock, self.posted = threading.Condition(), {}
         self.log: list[tuple[int, int, float]] = []
 
-    def new_group(self, ranks, backend, timeout):
+    def new_group(self, ranks, backend, timeout, pg_options=None):
+        self.options = pg_options
         return tuple(ranks)
 
     def send(self, tensor, dst, group):

@@ -179,6 +179,25 @@ def test_channels_asked_for_on_gpus_without_nccl_are_refused_naming_the_backend(
         ranks.channel_backend(True, "central", 2, "gloo", torch.device("cuda"), "stop", LARGE)
 
 
+def test_nccl_channels_stop_where_their_streams_would_share_a_pool():
+    """Up to MAX_CHANNEL_WORLD processes every channel keeps a stream of its own (32 per pool,
+    PyTorch's); beyond, and where a device offers too few priority levels, the payloads go
+    through host memory, and asking for channels there is refused, saying why."""
+    import torch
+
+    gpu, top = torch.device("cuda"), ranks.MAX_CHANNEL_WORLD
+    assert ranks.streams.engine_streams_needed(2 * (top - 1)) <= ranks.streams.STREAMS_PER_POOL
+    assert ranks.streams.engine_streams_needed(2 * top) > ranks.streams.STREAMS_PER_POOL
+    for path in ("central", "sharded"):
+        assert ranks.channel_backend(None, path, top, "nccl", gpu, "stop", LARGE) == "nccl"
+        assert ranks.channel_backend(None, path, top + 1, "nccl", gpu, "stop", LARGE) is None
+        assert ranks.channel_backend(None, path, 4, "nccl", gpu, "stop", LARGE, separate_levels=False) is None
+    with pytest.raises(ValueError, match=rf"payload_channels=True: {top + 1} processes .*at most {top} processes"):
+        ranks.channel_backend(True, "central", top + 1, "nccl", gpu, "stop", LARGE)
+    with pytest.raises(ValueError, match=r"fewer than three stream priority levels"):
+        ranks.channel_backend(True, "sharded", 4, "nccl", gpu, "stop", LARGE, separate_levels=False)
+
+
 @pytest.mark.parametrize("path,p,pairs", [
     ("central", 3, [(1, 0), (0, 1), (2, 0), (0, 2)]),
     ("sharded", 3, [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]),

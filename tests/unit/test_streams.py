@@ -27,7 +27,10 @@ from test_learner import FakeLearnerEndpoint
 
 def test_off_cuda_every_stream_function_does_nothing():
     cpu = torch.zeros(3)
-    assert streams.side_stream(torch.device("cpu")) is None
+    assert streams.side_stream(torch.device("cpu"), "server") is None
+    assert streams.engine_stream(torch.device("cpu"), "server") is None
+    assert streams.separate_levels(torch.device("cpu"))
+    assert streams.to_host(cpu, None) is cpu
     assert streams.mark(cpu) is None and streams.mark(None) is None
     streams.receive(cpu, None)
     with streams.running_on(None), streams.reading(None):
@@ -104,3 +107,27 @@ def test_the_server_and_a_shard_owner_work_inside_their_own_stream(monkeypatch):
     owner.start(endpoint=None)
     assert owner.join(5.0)
     assert entered == [("stale-server", "server stream"), ("stale-shard-0", "owner stream")]
+
+
+def test_each_role_gets_one_stream_per_process_from_the_engines_own_level(monkeypatch):
+    """However many fits a process runs, the engine takes one stream per role and device, all at
+    `ENGINE_PRIORITY` (the pools are PyTorch's: a stream taken anew each fit would in time be
+    one a NCCL group or another role already uses)."""
+    made = []
+
+    class FakeStream:
+        def __init__(self, device, priority):
+            made.append((device, priority))
+
+    monkeypatch.setattr(streams.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(streams, "_engine_streams", {})
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    server = streams.engine_stream(gpu0, "server")
+    for _fit in range(3):
+        assert streams.engine_stream(gpu0, "server") is server
+        assert streams.engine_stream(gpu0, ("channel", 0, 1)) is streams.engine_stream(gpu0, ("channel", 0, 1))
+    roles = {streams.engine_stream(gpu0, role) for role in ("server", "owner", "copies", "readers",
+                                                            ("channel", 0, 1), ("channel", 1, 0))}
+    assert len(roles) == 6 and streams.engine_stream(gpu1, "server") is not server
+    assert made == [(gpu0, streams.ENGINE_PRIORITY)] * 6 + [(gpu1, streams.ENGINE_PRIORITY)]
+    assert streams.ENGINE_PRIORITY == -1  # between NCCL's levels: 0, and the most urgent

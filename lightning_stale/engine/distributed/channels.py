@@ -13,7 +13,12 @@ post the payloads in the order of their headers, which is the order NCCL pairs t
 Streams (`engine.streams`): a sender waits on the host until its payload is complete before it
 posts the send, and a channel's operations run on a stream of its own, so nothing on a channel
 waits on the GPU for another stream (where the training thread's collectives may hold it); a
-received payload is handed to its reader with an event (``Message.ready``).
+received payload is handed to its reader with an event (``Message.ready``). A NCCL group runs
+its operations on a stream of its own too, from PyTorch's pools: the channels' groups ask for the
+most urgent priority level, which neither the default group nor the engine's streams use, so that
+no channel ever shares a stream with another channel or a collective (`channel_backend` in
+`ranks` keeps their number within a pool). A fit that ends cleanly destroys its channels' groups
+(`close_channels`).
 
 On the CPU the channels are gloo groups carrying host tensors: the same code, which the tests run
 (`StaleStrategy(payload_channels=True)`).
@@ -37,14 +42,14 @@ class Channel:
 
     def __init__(self, group, src: int, dst: int, device: torch.device) -> None:
         self.group, self.src, self.dst, self.device = group, src, dst, device
-        self.stream = streams.side_stream(device)
+        self.stream = streams.side_stream(device, ("channel", src, dst))
         self.carried = 0  # payloads sent or received on it (by this rank)
 
     def send(self, payload: Tensor, ready) -> None:
-        if ready is not None:
-            ready.synchronize()  # complete before it is posted: see the module docstring
-        payload = payload.contiguous()
-        with streams.on(self.stream):
+        with streams.on(self.stream):  # (the device first: a sending thread starts on GPU 0)
+            if ready is not None:
+                ready.synchronize()  # complete before it is posted: see the module docstring
+            payload = payload.contiguous()
             dist.send(payload, dst=self.dst, group=self.group)
         # The send returns once it is queued; NCCL reads the payload later on its own stream,
         # which this channel's stream now waits for. The payload was made on another stream (the
@@ -85,11 +90,31 @@ def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, dev
     pairs = list(pairs)
     channels = {}
     for src, dst in pairs:
-        group = dist.new_group([src, dst], backend=backend, timeout=timeout)
+        group = dist.new_group([src, dst], backend=backend, timeout=timeout, pg_options=_options(backend))
         if rank in (src, dst):
             channels[(src, dst)] = Channel(group, src, dst, device)
     _first_exchange(rank, pairs, channels, device)
     return channels
+
+
+def _options(backend: str):
+    """A NCCL group's options: its stream from the most urgent priority level (see the module
+    docstring; ``ProcessGroupNCCL.Options.is_high_priority_stream``)."""
+    if backend != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
+def close_channels(channels: dict[tuple[int, int], Channel]) -> None:
+    """Destroy the groups of ``channels`` at a clean end (each holds a NCCL communicator, its
+    threads and device buffers); after a failure they are left to the process's exit, as the
+    other groups are: destroying a group under a blocked operation aborts the process."""
+    for channel in channels.values():  # (their counts stay: the run's stats read them)
+        if channel.group is not None:
+            dist.destroy_process_group(channel.group)
+            channel.group = None
 
 
 def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tuple[int, int], Channel],

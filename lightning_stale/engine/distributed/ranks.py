@@ -24,6 +24,7 @@ Paths (``server=`` of `StaleStrategy`; the README's "Scaling" section models the
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import queue
 import time
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_stale.engine import streams
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.channels import channel_pairs, open_channels
 from lightning_stale.engine.distributed.collective import CollectiveExchange, CollectivePayloads
@@ -54,7 +56,13 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant, kind_of
 
+log = logging.getLogger(__name__)
+
 SERVER_PATHS = ("auto", "central", "collective", "sharded")
+# The most processes whose NCCL channels keep their CUDA streams apart: a process holds up to
+# 2(P - 1) channels, each on an engine stream beside four others (`streams.engine_streams_needed`).
+MAX_CHANNEL_WORLD = next(p for p in range(64, 1, -1)
+                         if streams.engine_streams_needed(2 * (p - 1)) <= streams.STREAMS_PER_POOL)
 # Below this many values per exchange a round trip through rank 0 costs less than spreading the
 # traffic (measured by benchmarks/scaling.py; see the README's "Scaling" section).
 SCALE_MIN_NUMEL = 1 << 18
@@ -150,15 +158,33 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
 
 
 def channel_backend(wanted: bool | None, path: str, world: int, default_backend: str | None,
-                    device: torch.device, on_learner_failure: str, push_bytes: int) -> str | None:
+                    device: torch.device, on_learner_failure: str, push_bytes: int,
+                    separate_levels: bool = True) -> str | None:
     """The backend of the device channels (`channels`) for `StaleStrategy`'s
     ``payload_channels`` (None: auto), or None for none: NCCL where the default group runs on it
     (auto: unless dead learners are to be survived), gloo on CPU when asked for; none where a
-    whole push (``push_bytes``) fits a header's frame, as every payload then does."""
+    whole push (``push_bytes``) fits a header's frame, as every payload then does.
+
+    NCCL channels need CUDA streams that no other user shares (`engine.streams`): a stream
+    priority level of the engine's own on every rank (``separate_levels``, `levels_agree`), and
+    no more streams at that level, nor NCCL groups at the channels' level, than a pool holds
+    (``streams.STREAMS_PER_POOL``): up to ``MAX_CHANNEL_WORLD`` processes."""
     if wanted is False or world < 2 or not channel_pairs(path, world) or push_bytes <= INLINE_PAYLOAD_BYTES:
         return None
     if default_backend == "nccl":
-        return "nccl" if wanted or on_learner_failure == "stop" else None
+        if not (wanted or on_learner_failure == "stop"):
+            return None
+        problem = (f"{world} processes hold up to {2 * (world - 1)} channels each, more streams than a "
+                   f"pool of {streams.STREAMS_PER_POOL} keeps apart (at most {MAX_CHANNEL_WORLD} processes)"
+                   if world > MAX_CHANNEL_WORLD else
+                   None if separate_levels else "a device offers fewer than three stream priority levels")
+        if problem is None:
+            return "nccl"
+        if wanted:
+            raise ValueError(f"payload_channels=True: {problem}; leave payload_channels unset, or pass "
+                             "payload_channels=False, and payloads go through host memory")
+        log.info("payload channels off: %s; payloads go through host memory", problem)
+        return None
     if wanted and device.type == "cpu":
         return "gloo"
     if wanted:
@@ -166,6 +192,15 @@ def channel_backend(wanted: bool | None, path: str, world: int, default_backend:
                          f"the default process group runs on {default_backend!r}: use "
                          "process_group_backend='nccl', or leave payload_channels unset")
     return None
+
+
+def levels_agree(group, device: torch.device) -> bool:
+    """`streams.separate_levels` on every rank of ``group`` (collective): the ranks decide
+    alike whether to open the channels, whose groups every rank creates."""
+    flag = torch.tensor([int(streams.separate_levels(device))])
+    if group is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def overlaps(variant: Variant, adaptive: AdaptiveK | None) -> bool:
@@ -212,9 +247,10 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                variant: Variant, limits: ServerLimits, options: RankOptions,
                resume: dict | None = None,
                clip: Callable[[Optimizer], None] | None = None,
-               lanes: dict | None = None) -> tuple[Learner, ParameterServer | None]:
-    """This rank's learner and, on rank 0, the started server (its thread running); ``lanes``:
-    the central path's, where `settle_path` opened them."""
+               lanes: dict | None = None) -> tuple[Learner, ParameterServer | None, dict]:
+    """This rank's learner, on rank 0 the started server (its thread running), and this rank's
+    device channels (`channels`: `close_channels` after a clean end); ``lanes``: the central
+    path's, where `settle_path` opened them."""
     vectors = ModelVectors.of(module)
     exchange = owner = payloads = server = None
     channels = {}
@@ -289,7 +325,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                       server_error=lambda: server.error if server else None,
                       server_timeout=options.server_timeout,
                       roll_call=options.on_learner_failure == "continue" and variant.p > 1)
-    return learner, server
+    return learner, server, channels
 
 
 def _sharded_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedulers: list, p: int,
