@@ -16,7 +16,10 @@ on NCCL, and checks what only a GPU run can show:
   travel on device channels like the central path's payloads;
 
 and on every path: every gradient is counted, the loss falls, every learner ends with the same
-parameters, on its GPU.
+parameters, on its GPU, and no process allocated memory on another process's GPU (rank 0 gathers
+the shard owners' optimizer states: ``--optimizer adamw`` gives them state to gather).
+``--checkpoint-every N`` saves a checkpoint every N updates (the server's state read beside its
+thread, the owners' gathered).
 
 With one GPU (``--devices 1``, the default when one is visible) the learner on rank 0 talks to
 the server through in-process queues and every path is central, so only the device side is
@@ -29,13 +32,17 @@ script itself.
 
     python benchmarks/gpu_check.py [--devices 2] [--learners-per-gpu 2] [--updates 60]
         [--precision 16-mixed] [--accelerator gpu] [--hidden 1024 320] [--payload-channels on]
+        [--optimizer adamw] [--checkpoint-every 20]
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import tempfile
+
 from pytorch_lightning import Callback, Trainer, seed_everything
+from pytorch_lightning.callbacks import ModelCheckpoint
 
 from _common import apply_process_settings, base_parser, is_rank_zero, prepare_out, table, write_results
 from lightning_stale import StaleStrategy
@@ -66,6 +73,39 @@ class Placement(Callback):
                    else owner.state.params if owner is not None else list(module.parameters()))
         self.module_device = str(next(module.parameters()).device)
         self.server_device = str(stepped[0].device)
+        # sharded: this rank's owner (read after fit, its thread done) and the tensors it owns
+        self.owner = owner
+        self.owned = (list(trainer.strategy.shard_layout.tensors[trainer.global_rank])
+                      if owner is not None else [])
+
+
+def on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (an all-reduce on the default group's device)."""
+    if not dist.is_initialized():
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def owns_nothing_elsewhere() -> bool:
+    """No tensor of this process on a GPU other than its own (e.g. another owner's optimizer
+    state restored onto that owner's GPU index)."""
+    if not torch.cuda.is_available():
+        return True
+    own = torch.cuda.current_device()
+    return all(torch.cuda.memory_allocated(d) == 0 for d in range(torch.cuda.device_count()) if d != own)
+
+
+def shard_matches_module(placement, model) -> bool:
+    """Sharded path: the module after fit (the gathered state) holds what this rank's owner
+    stepped, for the tensors it owns."""
+    if placement.owner is None:
+        return True
+    params = [p for p in model.parameters() if p.requires_grad]
+    return all(torch.equal(params[i].detach().cpu(), mine.detach().cpu())
+               for i, mine in zip(placement.owned, placement.owner.state.params))
 
 
 def same_on_every_rank(model) -> bool:
@@ -85,7 +125,8 @@ def check(name: str, path: str, args) -> dict:
     seed_everything(args.seed, verbose=False)
     dm = DigitsDataModule(batch_size=32)
     hidden = {} if args.hidden is None else {"hidden_sizes": tuple(args.hidden)}
-    model = Classifier(MLP(dm.input_shape, dm.num_classes, **hidden), lr=0.1 if args.hidden is None else 0.05)
+    lr = (0.1 if args.hidden is None else 0.05) if args.optimizer == "sgd" else 1e-3
+    model = Classifier(MLP(dm.input_shape, dm.num_classes, **hidden), lr=lr, optimizer=args.optimizer)
     sharing = {}
     if args.learners_per_gpu > 1:  # NCCL refuses two ranks on one GPU: the default group on gloo
         sharing = dict(parallel_devices=[torch.device("cuda", i) for i in range(args.devices)
@@ -94,11 +135,19 @@ def check(name: str, path: str, args) -> dict:
     strategy = StaleStrategy(name, delay=ShiftedExponential(shift=0.002, mean=0.01, seed=args.seed),
                              record_trace=False, server=path, payload_channels=args.channels, **sharing)
     placement = Placement()
-    trainer = Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.updates,
-                      precision=args.precision, strategy=strategy, callbacks=[placement], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(model, dm)
+    callbacks = [placement]
+    with tempfile.TemporaryDirectory() as folder:
+        if args.checkpoint_every:
+            callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=args.checkpoint_every,
+                                             save_top_k=-1))
+        trainer = Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.updates,
+                          precision=args.precision, strategy=strategy, callbacks=callbacks, logger=False,
+                          enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(model, dm)
     same = same_on_every_rank(model)
+    shards = on_every_rank(shard_matches_module(placement, model))
+    contained = on_every_rank(owns_nothing_elsewhere())
     if not is_rank_zero():
         return {}
     core = trainer.strategy.core
@@ -116,7 +165,7 @@ def check(name: str, path: str, args) -> dict:
         "loss_first_10": sum(losses[:10]) / max(1, len(losses[:10])),
         "loss_last_10": sum(losses[-10:]) / max(1, len(losses[-10:])),
         "module_matches_server": all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.parameters(), server_params)),
-        "same_on_every_rank": same,
+        "same_on_every_rank": same, "shards_match_module": shards, "own_gpu_only": contained,
         "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
         "overlapped": trainer.strategy.overlapped_updates,
         "scaler": getattr(trainer.strategy.precision_plugin, "scaler", None) is not None,
@@ -140,6 +189,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, nargs="+", default=None,
                         help="the MLP's hidden widths (default: the digits MLP's, 19k parameters, whose "
                              "payloads fit a header's frame; 1024 320: 0.4M, payloads on channels)")
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
+                        help="the Classifier's optimizer (adamw: optimizer state for the owners to hand over)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="save a checkpoint every N updates (0: none)")
     parser.add_argument("--precision", default="32-true",
                         help="the Trainer's precision (on CUDA, 16-mixed runs with a gradient scaler)")
     args = parser.parse_args()
@@ -168,6 +221,7 @@ def main() -> None:
                 "nccl" if expected_default == "nccl" else "gloo" if args.channels else None)
     failed = [f"{r['variant']}@{r['path']}" for r in rows
               if not (r["counts_balance"] and r["module_matches_server"] and r["same_on_every_rank"]
+                      and r["shards_match_module"] and r["own_gpu_only"]
                       and r["loss_last_10"] < r["loss_first_10"]
                       # (a gradient scaler's unscaling follows the decision: no overlap then)
                       and (r["overlapped"] > 0) == (r["variant"] == "sync" and r["path"] == "collective"
@@ -184,7 +238,8 @@ def main() -> None:
     paths = write_results(prepare_out(args.out), "gpu_check", rows,
                           {"accelerator": args.accelerator, "devices": args.devices,
                            "learners_per_gpu": args.learners_per_gpu, "updates": args.updates,
-                           "precision": args.precision})
+                           "precision": args.precision, "optimizer": args.optimizer,
+                           "checkpoint_every": args.checkpoint_every})
     print("results:", *map(str, paths))
     if failed:
         raise SystemExit(f"gpu_check: checks failed for {', '.join(failed)}")
