@@ -129,19 +129,16 @@ class ModelVectors:
         grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
                  for p in self.params]
         masked = mask or any(g is None for g in grads)
-        parts: list[Tensor] = [torch.zeros(p.numel(), dtype=self.dtype, device=device) if g is None
-                               else g.detach().reshape(-1).to(device, self.dtype) for p, g in zip(self.params, grads)]
-        parts += [b.detach().reshape(-1).to(device, self.dtype) for b in self.buffers]
+        # (the parts where the parameters are: `_joined` copies them to ``device`` at once)
+        parts: list[Tensor] = [torch.zeros(p.numel(), dtype=self.dtype, device=p.device) if g is None
+                               else g.detach().reshape(-1).to(dtype=self.dtype) for p, g in zip(self.params, grads)]
+        parts += [b.detach().reshape(-1).to(dtype=self.dtype) for b in self.buffers]
         if masked:
-            parts.append(torch.tensor([g is not None for g in grads], dtype=self.dtype, device=device))
+            parts.append(torch.tensor([g is not None for g in grads], dtype=self.dtype, device=self.device))
         if not parts:
             return torch.zeros(0, dtype=self.dtype, device=device), masked
         total = sum(t.numel() for t in parts)
-        if callable(out):
-            out = out(total)
-        if out is not None and out.numel() == total and out.device == parts[0].device:
-            return torch.cat(parts, out=out), masked
-        return torch.cat(parts), masked
+        return _joined(parts, device, out(total) if callable(out) else out), masked
 
     def split_push(self, flat: Tensor, masked: bool) -> Contribution:
         """A `push_vector` back into its parts (views of ``flat``)."""
@@ -156,10 +153,10 @@ class ModelVectors:
     def _flatten(self, tensors: Sequence[Tensor], out: Tensor | None = None,
                  device: torch.device | None = None) -> Tensor:
         device = torch.device("cpu") if device is None else device
-        parts = [t.detach().reshape(-1).to(device, self.dtype) for t in tensors]
-        if out is not None:
-            return torch.cat(parts, out=out) if parts else out
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=device)
+        parts = [t.detach().reshape(-1).to(dtype=self.dtype) for t in tensors]
+        if not parts:
+            return out if out is not None else torch.zeros(0, dtype=self.dtype, device=device)
+        return _joined(parts, device if out is None else out.device, out)
 
     @staticmethod
     def _split(flat: Tensor, sizes: list[int], total: int) -> list[Tensor]:
@@ -327,6 +324,20 @@ class ServerState:
         for b, mean, largest in zip(self.buffers, torch.split(stacked.mean(0), sizes),
                                     torch.split(stacked.max(0).values, sizes)):
             b.copy_((mean if b.is_floating_point() else largest.round()).view_as(b))
+
+
+def _joined(parts: Sequence[Tensor], device: torch.device, out: Tensor | None = None) -> Tensor:
+    """Flat ``parts`` as one vector on ``device`` (in ``out`` where it fits). Parts on one other
+    device (a GPU's, for host memory) are joined there and copied once: a copy per tensor from a
+    GPU waits for the device each time."""
+    total = sum(t.numel() for t in parts)
+    fits = out is not None and out.numel() == total and out.device == device
+    sources = {t.device for t in parts}
+    if sources != {device} and len(sources) == 1:
+        flat = torch.cat(parts)
+        return out.copy_(flat) if fits else flat.to(device)
+    parts = [t.to(device) for t in parts]
+    return torch.cat(parts, out=out) if fits else torch.cat(parts)
 
 
 def named_state(module: nn.Module, vector: Tensor, buffers: bool = True) -> dict[str, Tensor]:

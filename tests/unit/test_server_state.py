@@ -201,3 +201,21 @@ def test_plateau_scheduler_steps_with_its_monitored_value():
     assert state.optimizer.param_groups[0]["lr"] == 0.25  # two epochs without improvement
     with pytest.raises(ValueError, match="monitors 'val/loss'"):
         state.schedules.end_epoch(3, {"train/loss": 1.0})
+
+
+def test_vectors_are_written_into_a_given_place_that_fits_and_made_anew_otherwise():
+    """A push or state vector goes straight into a recycled vector or a shared-memory slot of its
+    size (no second pass), with the same values as a fresh one."""
+    module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    module(torch.randn(4, 3)).sum().backward()
+    vectors = ModelVectors.of(module)
+    fresh, masked = vectors.push_vector()
+    place = torch.full((fresh.numel(),), float("nan"))
+    written, _ = vectors.push_vector(out=place)
+    assert written.data_ptr() == place.data_ptr() and torch.equal(written, fresh) and not masked
+    slot = vectors.push_vector(out=lambda numel: torch.empty(numel))[0]
+    assert torch.equal(slot, fresh)
+    assert torch.equal(vectors.push_vector(out=torch.empty(2))[0], fresh)  # (the wrong size: a new one)
+    state = vectors.state_vector()
+    into = torch.empty(vectors.state_numel)
+    assert vectors.state_vector(out=into).data_ptr() == into.data_ptr() and torch.equal(into, state)
