@@ -102,7 +102,7 @@ class Rendezvous:
             if not self.lock.wait_for(lambda: (src, dst) in self.posted, timeout=self.timeout):
                 raise TimeoutError(f"rank {src}'s first send to {dst} found no receive")
             self.posted.pop((src, dst)).copy_(tensor)
-            self.log.append((src, dst, tensor.item()))
+            self.log.append((src, dst, tensor.clone()))
             self.lock.notify_all()
 
     def recv(self, tensor, src, group):
@@ -125,7 +125,8 @@ def test_every_channel_carries_one_value_before_training_with_no_rank_left_waiti
     def rank_main(rank):
         threading.current_thread().rank = rank
         try:
-            opened[rank] = open_channels(rank, pairs, "gloo", torch.device("cpu"), datetime.timedelta(seconds=5))
+            opened[rank] = open_channels(rank, pairs, "gloo", torch.device("cpu"), datetime.timedelta(seconds=5),
+                                         first_numel=5)
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
@@ -136,7 +137,7 @@ def test_every_channel_carries_one_value_before_training_with_no_rank_left_waiti
         thread.join(20.0)
     assert not errors and all(not thread.is_alive() for thread in threads)
     assert sorted((src, dst) for src, dst, _ in fake.log) == sorted(pairs)  # each direction once
-    assert all(value == 1.0 for _, _, value in fake.log)
+    assert all(torch.equal(value, torch.ones(5)) for _, _, value in fake.log)  # a payload's size, not one value
     for rank, held in opened.items():
         assert set(held) == {pair for pair in pairs if rank in pair}
         assert all(channel.carried == 0 for channel in held.values())  # not counted as payloads

@@ -198,12 +198,15 @@ def test_hooks_that_may_change_gradients_after_backward_are_found_in_modules_and
 
 
 def test_the_buckets_group_is_used_once_at_set_up_before_any_backward(monkeypatch):
-    """NCCL creates a group's communicator at its first operation: that happens when every rank
-    builds the overlap, not in the middle of the first backward."""
+    """NCCL creates a group's communicator at its first operation, and connects each protocol
+    at its first use: that happens when every rank builds the overlap, with the sizes of the
+    first bucket and the largest one, not in the middle of the first backward."""
     from lightning_stale.engine.distributed import overlap as overlap_module
 
     calls, real = [], dist.all_reduce
     monkeypatch.setattr(overlap_module.dist, "all_reduce",
                         lambda tensor, group=None, **kw: calls.append((tensor.numel(), group)) or real(tensor, group=group, **kw))
-    setup()
-    assert calls == [(1, dist.group.WORLD)]
+    module, _, vectors, overlap, _ = setup(bucket_bytes=16)
+    buckets = [sum(vectors.params[i].numel() for i in range(lo, hi)) for lo, hi in overlap._ranges]
+    assert len(set(buckets)) > 2  # (so that two sizes stand for all)
+    assert calls == [(n, dist.group.WORLD) for n in sorted({buckets[0], max(buckets)})]

@@ -83,17 +83,17 @@ def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
 
 
 def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, device: torch.device,
-                  timeout: datetime.timedelta) -> dict[tuple[int, int], Channel]:
+                  timeout: datetime.timedelta, first_numel: int = 1) -> dict[tuple[int, int], Channel]:
     """A `Channel` for every direction of ``pairs`` that involves ``rank``, keyed by (sender,
-    receiver), each one already used once (`_first_exchange`); collective: every rank calls it
-    with the same pairs (each group is created by all)."""
+    receiver), each one already used once (`_first_exchange`, ``first_numel`` values);
+    collective: every rank calls it with the same pairs (each group is created by all)."""
     pairs = list(pairs)
     channels = {}
     for src, dst in pairs:
         group = dist.new_group([src, dst], backend=backend, timeout=timeout, pg_options=_options(backend))
         if rank in (src, dst):
             channels[(src, dst)] = Channel(group, src, dst, device)
-    _first_exchange(rank, pairs, channels, device)
+    _first_exchange(rank, pairs, channels, device, first_numel)
     return channels
 
 
@@ -118,20 +118,22 @@ def close_channels(channels: dict[tuple[int, int], Channel]) -> None:
 
 
 def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tuple[int, int], Channel],
-                    device: torch.device) -> None:
-    """One value over every channel, before training: NCCL creates a group's communicator at
-    its first operation, and creating one allocates device memory, which can wait for kernels
-    already running; were that to happen in an engine thread during training, beside a
-    collective of the training thread that waits for the very peer being set up, neither could
-    finish. Here every rank is at the same place, nothing else runs, and the pairs go in the
-    same order on every rank, so each exchange finds its peer (an exchange waits only for its
-    two ranks, and the earliest one not done has both of them at it)."""
+                    device: torch.device, numel: int = 1) -> None:
+    """A vector of ``numel`` values over every channel, before training: NCCL creates a group's
+    communicator at its first operation, and creating one allocates device memory, which can
+    wait for kernels already running; were that to happen in an engine thread during training,
+    beside a collective of the training thread that waits for the very peer being set up,
+    neither could finish. (NCCL >= 2.22 also connects each protocol at its first use, picked by
+    size: hence a payload's size, not one value.) Here every rank is at the same place, nothing
+    else runs, and the pairs go in the same order on every rank, so each exchange finds its peer
+    (an exchange waits only for its two ranks, and the earliest one not done has both of them at
+    it)."""
     for src, dst in pairs:
         channel = channels.get((src, dst))
         if channel is None:
             continue
         with streams.on(channel.stream):
-            value = torch.ones(1, device=device)
+            value = torch.ones(numel, device=device)
             if rank == src:
                 dist.send(value, dst=dst, group=channel.group)
             else:

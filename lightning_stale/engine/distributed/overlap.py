@@ -76,16 +76,20 @@ class OverlappedAllReduce:
                  device: torch.device, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
                  bucket_bytes: int = BUCKET_BYTES) -> None:
         self.vectors, self.learners, self.group, self.control_group = vectors, learners, group, control_group
-        # Every rank builds this at set-up: a first all-reduce now has NCCL create the group's
-        # communicator here, beside nothing, not during the first backward (creating one
-        # allocates device memory, which can wait for kernels already running).
-        dist.all_reduce(torch.zeros(1, dtype=vectors.dtype, device=device), group=group)
         sizes = [p.numel() for p in vectors.params]
         self._offsets = [0]
         for size in sizes:
             self._offsets.append(self._offsets[-1] + size)
         element = torch.empty(0, dtype=vectors.dtype).element_size()
         self._ranges = bucket_ranges(sizes, element, first_bucket_bytes, bucket_bytes)
+        # Every rank builds this at set-up: first all-reduces now have NCCL create the group's
+        # communicator here, beside nothing, not during the first backward (creating one
+        # allocates device memory, which can wait for kernels already running); one of the
+        # first bucket's size and one of the largest, as NCCL connects the algorithms and
+        # protocols it picks by size at their first use (NCCL_RUNTIME_CONNECT, NCCL >= 2.22).
+        spans = [self._offsets[hi] - self._offsets[lo] for lo, hi in self._ranges] or [1]
+        for numel in sorted({max(1, spans[0]), max(spans)}):
+            dist.all_reduce(torch.zeros(numel, dtype=vectors.dtype, device=device), group=group)
         self._bucket_of = [0] * len(sizes)
         for b, (lo, hi) in enumerate(self._ranges):
             for i in range(lo, hi):

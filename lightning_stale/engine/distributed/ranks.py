@@ -63,6 +63,9 @@ SERVER_PATHS = ("auto", "central", "collective", "sharded")
 # 2(P - 1) channels, each on an engine stream beside four others (`streams.engine_streams_needed`).
 MAX_CHANNEL_WORLD = next(p for p in range(64, 1, -1)
                          if streams.engine_streams_needed(2 * (p - 1)) <= streams.STREAMS_PER_POOL)
+# The first exchange on a channel (`channels._first_exchange`): large enough for the protocol of
+# large payloads (NCCL sends up to 16 KiB in its low-latency one), small enough to cost nothing.
+FIRST_CHANNEL_NUMEL = 1 << 18
 # Below this many values per exchange a round trip through rank 0 costs less than spreading the
 # traffic (measured by benchmarks/scaling.py; see the README's "Scaling" section).
 SCALE_MIN_NUMEL = 1 << 18
@@ -256,7 +259,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
     channels = {}
     if options.channels and group is not None:  # every rank creates every group, in this order
         channels = open_channels(rank, channel_pairs(options.path, variant.p), options.channels,
-                                 vectors.device, CHANNEL_TIMEOUT)
+                                 vectors.device, CHANNEL_TIMEOUT, min(vectors.max_push_numel(), FIRST_CHANNEL_NUMEL))
     # Each direction's channel has one sending and one receiving thread, which post payloads in
     # the order of their headers (`channels`): the central path's endpoints, or the sharded
     # path's mesh (its endpoints carry headers and small orders, over gloo).
