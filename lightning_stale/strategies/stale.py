@@ -104,8 +104,10 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             (`engine.distributed.channels`), with only the headers over gloo. None (default):
             where that backend is NCCL, so that gradients and parameters go from GPU to GPU
             without a copy through host memory, unless ``on_learner_failure="continue"`` (a
-            dead peer would leave NCCL waiting); True: always (on CPU, gloo groups; refused
-            for GPUs on a gloo default group); False: never; nowhere for a model whose whole
+            dead peer would leave NCCL waiting) or beyond 15 processes (each channel needs CUDA
+            streams of its own, from PyTorch's pools of 32: `engine.streams`); True: always (on
+            CPU, gloo groups; refused for GPUs on a gloo default group, and where the streams
+            would not fit); False: never; nowhere for a model whose whole
             push fits a header's frame (256 KiB). ``stats["payload_channels"]``
             names the backend used, or None, and ``stats["payloads_on_channels"]`` counts the
             payloads rank 0 sent and received on them.
