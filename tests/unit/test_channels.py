@@ -66,6 +66,7 @@ def test_nccl_channel_groups_ask_for_the_most_urgent_stream_level(monkeypatch):
     timeout = datetime.timedelta(seconds=5)
     open_channels(0, [(0, 1)], "nccl", torch.device("cpu"), timeout)
     assert isinstance(fake.options, FakeNCCLOptions) and fake.options.is_high_priority_stream
+    assert fake.options._timeout == timeout  # (the group's own: new_group warns of another)
     open_channels(0, [(0, 1)], "gloo", torch.device("cpu"), timeout)
     assert fake.options is None
 

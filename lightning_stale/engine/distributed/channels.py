@@ -90,20 +90,22 @@ def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, dev
     pairs = list(pairs)
     channels = {}
     for src, dst in pairs:
-        group = dist.new_group([src, dst], backend=backend, timeout=timeout, pg_options=_options(backend))
+        group = dist.new_group([src, dst], backend=backend, timeout=timeout, pg_options=_options(backend, timeout))
         if rank in (src, dst):
             channels[(src, dst)] = Channel(group, src, dst, device)
     _first_exchange(rank, pairs, channels, device, first_numel)
     return channels
 
 
-def _options(backend: str):
+def _options(backend: str, timeout: datetime.timedelta):
     """A NCCL group's options: its stream from the most urgent priority level (see the module
-    docstring; ``ProcessGroupNCCL.Options.is_high_priority_stream``)."""
+    docstring; ``ProcessGroupNCCL.Options.is_high_priority_stream``), and the group's timeout
+    (``new_group`` warns where the options hold another)."""
     if backend != "nccl":
         return None
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
+    options._timeout = timeout
     return options
 
 
