@@ -277,7 +277,7 @@ class FaultHandling:
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
         run_bounded(self._say_leaving, learner, name="stale-leaving", timeout=left())  # a send may block
-        stuck = learner.exchange.close(left())
+        stuck = learner.exchange.close(left(), failed=True)
         if self._server is not None:  # every learner heard why; the receivers end on their leaving
             stuck += self._server.endpoint.join(left())
         if stuck:

@@ -505,6 +505,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                 except Exception as exc:  # noqa: BLE001 - the original error matters more
                     log.warning("StaleStrategy: could not write the trace of the failed run: %s", exc)
             if failed:
+                self.overlapped_updates = getattr(learner.exchange, "overlapped_updates", 0)  # (so far)
                 self.leave_failed_run(learner)
             if self._server_group is not None and not failed:
                 # (a group whose connections broke is left to the process's exit: destroying

@@ -277,6 +277,19 @@ def test_a_killed_shard_owner_ends_the_run(runs, case):
     assert "the shard owners' state was lost with the failure" in run.output  # the checkpoint says so
 
 
+@pytest.mark.parametrize("case", ["sigkill_child_collective"])
+def test_a_killed_learner_on_the_collective_path_ends_the_run_with_its_death_named(runs, case):
+    """Rank 1 SIGKILLed while the learners reduce their gradients during backward: the survivor
+    leaves without balancing the overlapped rounds with the dead (a collective that would fail
+    and put its own error in place of the death)."""
+    run = runs(case)
+    assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
+    assert run.status == 1 and run.ends == {0: {"raised": "ServerFailed"}}, run.tail()
+    assert "learner 1 died" in run.exceptions[0]["message"], run.tail()
+    assert run.rank0["stats"]["server_path"] == "collective" and run.rank0["overlapped"] > 0, run.tail()
+    assert_books_and_logs(run, trace_learners={0})
+
+
 @pytest.mark.parametrize("case", ["sigkill_child_lanes"])
 def test_a_killed_learner_sharing_memory_with_the_server_ends_the_run(runs, case):
     """Rank 1 SIGKILLed on the central path while its pushes and answers cross in shared memory:

@@ -155,6 +155,24 @@ def test_the_end_balances_rounds_and_released_hooks_leave_the_module_alone():
     assert all(torch.equal(a, b) for a, b in zip(before, overlap._vectors))
 
 
+def test_after_a_failure_the_hooks_go_without_a_collective_and_the_groups_stay(monkeypatch):
+    """A learner may be dead: balancing the rounds would fail (or wait) on it and put its own
+    error in place of the one that ended the run; its groups are left to the process's exit."""
+    module, optimizer, vectors, overlap, ex = setup()
+    overlap.arm()
+    backward(module, optimizer, 1)
+    push(ex)
+    collectives = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **kw: collectives.append(a))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **kw: collectives.append(a))
+    assert ex.close(timeout=10, failed=True) == []
+    assert collectives == [] and overlap.group is not None and not overlap.armed
+    before = [v.clone() for v in overlap._vectors]
+    overlap.arm()
+    backward(module, optimizer, 2)  # the hooks are gone
+    assert all(torch.equal(a, b) for a, b in zip(before, overlap._vectors))
+
+
 def test_rounds_another_learner_launched_are_run_with_zeros_at_the_end(monkeypatch):
     # Another learner launched two rounds more (this one heard the stop before those backwards):
     # this one issues the same all-reduces, bucket by bucket, so that none waits for a peer.

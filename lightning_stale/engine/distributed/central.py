@@ -63,8 +63,9 @@ class CentralExchange:
         elif message.payload is not None:
             self.vectors.load_state(message.payload)
 
-    def close(self, timeout: float) -> list[str]:
-        """After the stop: release what the exchange holds; names of threads still running."""
+    def close(self, timeout: float, failed: bool = False) -> list[str]:
+        """After the stop (``failed``: after a failure): release what the exchange holds; names
+        of threads still running."""
         return []
 
 

@@ -175,10 +175,13 @@ class CollectiveExchange:
             state[self.vectors.numel:] = self._settled.to(state.device)
             message.payload = state
 
-    def close(self, timeout: float) -> list[str]:
-        """Every learner's overlapped rounds complete (`OverlappedAllReduce.close`)."""
+    def close(self, timeout: float, failed: bool = False) -> list[str]:
+        """Every learner's overlapped rounds complete (`OverlappedAllReduce.close`); after a
+        failure only the hooks go: balancing the rounds is a collective of every learner, one
+        of which may be dead (it would fail, or wait, and put its error in place of the one that
+        ended the run), and the groups are left to the process's exit."""
         if self.overlap is not None:
-            self.overlap.close(timeout)
+            self.overlap.release() if failed else self.overlap.close(timeout)
         return []
 
     def release(self) -> None:

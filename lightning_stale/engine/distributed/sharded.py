@@ -306,8 +306,9 @@ class ShardedExchange:
         elif message.payload is not None:
             self.vectors.load_state(message.payload)
 
-    def close(self, timeout: float) -> list[str]:
-        """After the stop: this rank's owner has retired; the mesh says goodbye to every peer."""
+    def close(self, timeout: float, failed: bool = False) -> list[str]:
+        """After the stop, or a failure: this rank's owner has retired; the mesh says goodbye to
+        every peer."""
         deadline = time.monotonic() + timeout  # one bound for both
         stuck = [] if self.owner.join(timeout) else [f"stale-shard-{self.rank}"]
         self.mesh.close()

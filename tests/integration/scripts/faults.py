@@ -71,6 +71,8 @@ CASES = {
     "training_step_sharded": (1, "training_step", 2, "k_async", 1, {"server": "sharded"}),
     "optimizer_sharded": (0, "optimizer", 2, "k_async", 1, {"server": "sharded"}),
     "sigkill_child_sharded": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "sharded"}),
+    # K = P: the learners reduce during backward (the overlap's groups), a round may be pending
+    "sigkill_child_collective": (1, signal.SIGKILL, 2, "k_sync", 2, {"server": "collective"}),
     # the central path with pushes and answers too large for a frame: they cross in shared memory
     "sigkill_child_lanes": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "central"}),
     "continue_k_async_lanes": (0, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
@@ -236,7 +238,7 @@ def report(trainer, wallclock, model):
     statuses = [proc.poll() for proc in getattr(trainer.strategy.launcher, "procs", [])]
     inject = next(c for c in trainer.callbacks if isinstance(c, Inject))
     result = {"stats": trainer.strategy.stats, "statuses": statuses, "updates_at_death": inject.updates_at_death,
-              "epoch_at_death": inject.epoch_at_death,
+              "epoch_at_death": inject.epoch_at_death, "overlapped": trainer.strategy.overlapped_updates,
               "updates": [int(row["update"]) for row in wallclock.rows],
               "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}}
     ckpt = OUT / "on_exception.ckpt"
