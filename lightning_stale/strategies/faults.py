@@ -60,6 +60,8 @@ def run_bounded(target: Callable[..., Any], *args: Any, name: str, timeout: floa
 
 
 _AT_EXIT = {"registered": False, "clean": True}
+# Where Lightning keeps the exit hook that destroys the process groups (`destroy_groups_at_exit`)
+LIGHTNING_EXIT_HOOKS = ("lightning_fabric.utilities.distributed", "lightning.fabric.utilities.distributed")
 
 
 def destroy_groups_at_exit(clean: bool) -> None:
@@ -75,6 +77,13 @@ def destroy_groups_at_exit(clean: bool) -> None:
     if not _AT_EXIT["registered"]:
         _AT_EXIT["registered"] = True
         atexit.register(_destroy_groups)
+    # Lightning has every group destroyed at exit where the default one is NCCL, after a failure
+    # too and without a bound: NCCL's destroy waits for every operation, and one left waiting for
+    # a dead or frozen peer would keep the process from ever exiting. This hook does that work.
+    for name in LIGHTNING_EXIT_HOOKS:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "_destroy_dist_connection"):
+            atexit.unregister(module._destroy_dist_connection)
 
 
 def _destroy_groups() -> None:
@@ -135,13 +144,15 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         reported = False
-        failed_at = acknowledged_at = None
+        reason = failed_at = acknowledged_at = None
         while not self._done.wait(0.1):
             if self.trap.reason is not None and not reported:
                 reported = True
                 threading.Thread(target=self._report, args=(self.trap.reason,), daemon=True,
                                  name="stale-signal-report").start()
-            reason = self.failure()
+            # (kept once known: the watchdog bounds the teardown too, when the strategy has let
+            # go of its learner and server)
+            reason = reason or self.failure()
             if reason is None:
                 continue
             now = time.monotonic()
@@ -199,7 +210,9 @@ class ChildWatch(threading.Thread):
                 for child in self.children:
                     if child.poll() is None:
                         child.kill()
-                os.kill(os.getpid(), signal.SIGKILL)
+                i = failed[0]
+                Watchdog._exit(f"learner process {self.children[i].pid} (rank {i + 1}) ended with status {codes[i]}",
+                               f"still running {self.grace:.0f} s after a learner process failed")
                 return
 
 

@@ -309,7 +309,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                                          backend != "nccl" or levels_agree(self._server_group, self.root_device))
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
                               self.server_timeout, self.staleness_compensation, self._adaptive,
-                              self.shared_memory, overlap, self.shutdown_timeout, self._channels)
+                              self.shared_memory, overlap, self.shutdown_timeout, self._channels, self._timeout)
         learner, self._server, self._channel_ends = build_rank(
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
@@ -489,8 +489,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        try:
-            self.stop_watching()
+        try:  # (after a failure the watchdog bounds all of it, Lightning's teardown too: see finally)
             learner = self._learner
             if learner is not None and not self._failure_raised and not learner.failure:
                 try:  # an exception ended training here: leave without hanging
@@ -518,7 +517,11 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         finally:
             self.undo_patches()
             self.local_collectives = False
-            super().teardown()
+            try:  # (moving the module and the optimizer to the CPU, emptying the CUDA cache: each
+                # waits for the device, which a dead peer's NCCL operation may hold for good)
+                super().teardown()
+            finally:
+                self.stop_watching()
 
 
 register_everywhere(StaleStrategy)

@@ -62,6 +62,23 @@ def test_the_watchdog_reports_a_signal_without_blocking_and_ends_a_stuck_process
         release.set()
 
 
+def test_the_watchdog_keeps_a_failure_after_the_strategy_has_let_go_of_it(monkeypatch):
+    """At teardown the strategy forgets its learner, and with it the failure; the watchdog still
+    ends a process whose teardown or exit waits for good (on a GPU a dead peer's NCCL operation)."""
+    exits, answers = [], iter(["learner 1 died"])
+
+    def record_exit(reason, why):
+        exits.append((reason, why))
+        watchdog.stop()
+
+    monkeypatch.setattr(Watchdog, "_exit", staticmethod(record_exit))
+    watchdog = Watchdog(SignalTrap(rank=0), report=lambda reason: None, failure=lambda: next(answers, None),
+                        acknowledged=lambda: True, exit_grace=0.3)
+    watchdog.start()
+    watchdog.join(5.0)
+    assert exits == [("learner 1 died", "still running after the failure was raised")]
+
+
 def test_the_watchdog_leaves_a_process_alone_while_all_is_well(monkeypatch):
     exits = []
     monkeypatch.setattr(Watchdog, "_exit", staticmethod(lambda *args: exits.append(args)))
@@ -120,9 +137,12 @@ def test_a_fit_failing_before_training_writes_no_wall_clock_log(tmp_path):
 
 
 EXITING = """
+import atexit
 import torch.distributed as dist
+from lightning_fabric.utilities.distributed import _destroy_dist_connection
 from lightning_stale.strategies.faults import destroy_groups_at_exit
 dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+atexit.register(_destroy_dist_connection)  # as Lightning does where the default group is NCCL
 destroy = dist.destroy_process_group
 dist.destroy_process_group = lambda *args: (print("destroyed", flush=True), destroy(*args))
 for clean in {teardowns}:  # registered once, however many teardowns
@@ -134,7 +154,8 @@ for clean in {teardowns}:  # registered once, however many teardowns
                          ids=["all-clean", "failed-last", "clean-after-a-failure"])
 def test_the_process_groups_are_destroyed_at_exit_only_if_no_teardown_failed(teardowns, tmp_path):
     """A clean teardown after a failed one (a validate after a failed fit) must not have the
-    broken groups destroyed at exit."""
+    broken groups destroyed at exit, by this project's hook or by Lightning's (registered for
+    NCCL, unbounded: a NCCL destroy waits for an operation stuck on a dead peer)."""
     code = EXITING.format(store=tmp_path / "store", teardowns=teardowns)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -229,6 +229,9 @@ class RankOptions:
     shutdown_timeout: float = 60.0
     # central and sharded paths: the backend of the device channels (`channels`), None for none
     channels: str | None = None
+    # the strategy's ``timeout`` (None: torch's default), for the overlap's group as for the
+    # default one: on NCCL, the time after which torch's watchdog ends a collective left waiting
+    timeout: datetime.timedelta | None = None
 
 
 def settle_path(path: str, variant: Variant, module: nn.Module, group, rank: int, on_learner_failure: str,
@@ -279,7 +282,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
         device = vectors.device
         overlap = None
         if options.overlap:  # every rank creates both groups, in this order (they are collective)
-            overlap = OverlappedAllReduce(vectors, variant.p, dist.new_group(),
+            overlap = OverlappedAllReduce(vectors, variant.p, dist.new_group(timeout=options.timeout),
                                           dist.new_group(backend="gloo", timeout=datetime.timedelta(
                                               seconds=options.shutdown_timeout)), device)
         exchange = CollectiveExchange(vectors, optimizer, schedules, rank, device, clip, overlap=overlap)
