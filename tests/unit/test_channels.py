@@ -82,6 +82,13 @@ def test_a_clean_end_destroys_each_channels_group_once_and_keeps_its_count(monke
     assert channels_module.carried(ends) == 4  # the run's stats still read them
 
 
+class Done:
+    """A finished operation's work."""
+
+    def wait(self, timeout=None):
+        return True
+
+
 class Rendezvous:
     """Stands in for torch.distributed across ``world`` ranks run as threads: a send waits until
     its receiver posts the matching receive (as NCCL's first operation on a group waits for both
@@ -106,6 +113,14 @@ class Rendezvous:
             self.log.append((src, dst, tensor.clone()))
             self.lock.notify_all()
 
+    def isend(self, tensor, dst, group):  # (posted at once by torch; here it waits, as the wait would)
+        self.send(tensor, dst, group)
+        return Done()
+
+    def irecv(self, tensor, src, group):
+        self.recv(tensor, src, group)
+        return Done()
+
     def recv(self, tensor, src, group):
         dst = threading.current_thread().rank
         assert set(group) == {src, dst}
@@ -119,7 +134,7 @@ class Rendezvous:
 @pytest.mark.parametrize("path,world", [("central", 4), ("sharded", 4), ("sharded", 3)])
 def test_every_channel_carries_one_value_before_training_with_no_rank_left_waiting(monkeypatch, path, world):
     fake = Rendezvous(world)
-    for name in ("new_group", "send", "recv"):
+    for name in ("new_group", "isend", "irecv"):
         monkeypatch.setattr(channels_module.dist, name, getattr(fake, name))
     pairs, opened, errors = channel_pairs(path, world), {}, []
 
@@ -163,3 +178,22 @@ def test_a_rank_that_meets_its_channels_in_another_order_is_caught_by_the_stand_
     for thread in threads:
         thread.join(20.0)
     assert len(errors) == 2
+
+
+def test_a_channel_whose_peer_never_comes_fails_set_up_within_the_strategys_timeout(monkeypatch):
+    """The channels' groups wait long (a frozen learner is a straggler), but their first
+    exchange, before training, is bounded like the rest of set-up."""
+    waited = []
+
+    class Never:
+        def wait(self, timeout=None):
+            waited.append(timeout)
+            return False  # (gloo and NCCL raise instead: either way set-up ends)
+
+    monkeypatch.setattr(channels_module.dist, "new_group", lambda ranks, backend, timeout, pg_options=None: tuple(ranks))
+    monkeypatch.setattr(channels_module.dist, "isend", lambda tensor, dst, group: Never())
+    limit = datetime.timedelta(seconds=7)
+    with pytest.raises(TimeoutError, match=r"rank 0: the device channel 0 -> 1 was not set up within 0:00:07"):
+        open_channels(0, [(0, 1), (1, 0)], "gloo", torch.device("cpu"), datetime.timedelta(days=7),
+                      setup_timeout=limit)
+    assert waited == [limit]

@@ -32,6 +32,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 
 from lightning_stale.engine import streams
 
@@ -83,17 +84,19 @@ def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
 
 
 def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, device: torch.device,
-                  timeout: datetime.timedelta, first_numel: int = 1) -> dict[tuple[int, int], Channel]:
+                  timeout: datetime.timedelta, first_numel: int = 1,
+                  setup_timeout: datetime.timedelta | None = None) -> dict[tuple[int, int], Channel]:
     """A `Channel` for every direction of ``pairs`` that involves ``rank``, keyed by (sender,
-    receiver), each one already used once (`_first_exchange`, ``first_numel`` values);
-    collective: every rank calls it with the same pairs (each group is created by all)."""
+    receiver), each one already used once (`_first_exchange`, ``first_numel`` values, within
+    ``setup_timeout``: None, torch's default); collective: every rank calls it with the same
+    pairs (each group is created by all)."""
     pairs = list(pairs)
     channels = {}
     for src, dst in pairs:
         group = dist.new_group([src, dst], backend=backend, timeout=timeout, pg_options=_options(backend, timeout))
         if rank in (src, dst):
             channels[(src, dst)] = Channel(group, src, dst, device)
-    _first_exchange(rank, pairs, channels, device, first_numel)
+    _first_exchange(rank, pairs, channels, device, first_numel, setup_timeout or default_pg_timeout)
     return channels
 
 
@@ -120,7 +123,8 @@ def close_channels(channels: dict[tuple[int, int], Channel]) -> None:
 
 
 def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tuple[int, int], Channel],
-                    device: torch.device, numel: int = 1) -> None:
+                    device: torch.device, numel: int = 1,
+                    limit: datetime.timedelta = default_pg_timeout) -> None:
     """A vector of ``numel`` values over every channel, before training: NCCL creates a group's
     communicator at its first operation, and creating one allocates device memory, which can
     wait for kernels already running; were that to happen in an engine thread during training,
@@ -137,8 +141,14 @@ def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tupl
         with streams.on(channel.stream):
             value = torch.ones(numel, device=device)
             if rank == src:
-                dist.send(value, dst=dst, group=channel.group)
+                work = dist.isend(value, dst=dst, group=channel.group)
             else:
-                dist.recv(value, src=src, group=channel.group)
+                work = dist.irecv(value, src=src, group=channel.group)
+            # Bounded by the strategy's timeout (a peer that died in set-up; the groups' own is
+            # long: `ranks.CHANNEL_TIMEOUT`), on NCCL by waiting on the host, which an explicit
+            # timeout asks for.
+            if not work.wait(limit):
+                raise TimeoutError(f"rank {rank}: the device channel {src} -> {dst} was not set up "
+                                   f"within {limit}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -262,7 +262,8 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
     channels = {}
     if options.channels and group is not None:  # every rank creates every group, in this order
         channels = open_channels(rank, channel_pairs(options.path, variant.p), options.channels,
-                                 vectors.device, CHANNEL_TIMEOUT, min(vectors.max_push_numel(), FIRST_CHANNEL_NUMEL))
+                                 vectors.device, CHANNEL_TIMEOUT, min(vectors.max_push_numel(), FIRST_CHANNEL_NUMEL),
+                                 options.timeout)
     # Each direction's channel has one sending and one receiving thread, which post payloads in
     # the order of their headers (`channels`): the central path's endpoints, or the sharded
     # path's mesh (its endpoints carry headers and small orders, over gloo).
