@@ -266,6 +266,8 @@ class FaultHandling:
         server, learner = self._server, self._learner
         if server is not None and (server.error or server.interruption):
             return server.error or server.interruption
+        if server is not None and (dead := server.unheard_death()):
+            return dead
         if learner is None:
             return None
         return (learner.failure or learner.endpoint.interrupted

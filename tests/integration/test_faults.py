@@ -277,6 +277,17 @@ def test_a_killed_shard_owner_ends_the_run(runs, case):
     assert "the shard owners' state was lost with the failure" in run.output  # the checkpoint says so
 
 
+@pytest.mark.parametrize("case", ["stuck_server_child_killed"])
+def test_a_death_ends_rank_0_even_where_its_server_thread_is_stuck(runs, case):
+    """Rank 0's server thread blocked in a step (on a GPU: behind a payload that never comes),
+    then rank 1 SIGKILLed: the endpoint saw the connection break, rank 0's watchdog ends the
+    process naming the death, without waiting for the server loop or the server's silence."""
+    run = runs(case)
+    assert run.fault is not None and run.gone_after < DEADLINE_S, run.tail()
+    assert run.status == 1, run.tail()
+    assert re.search(r"lightning_stale: ending this process \(.*\): learner 1 died", run.output), run.tail()
+
+
 @pytest.mark.parametrize("case", ["sigkill_child_collective"])
 def test_a_killed_learner_on_the_collective_path_ends_the_run_with_its_death_named(runs, case):
     """Rank 1 SIGKILLed while the learners reduce their gradients during backward: the survivor

@@ -28,6 +28,7 @@ from lightning_stale.method.variants import Variant
 class RecordingEndpoint:
     def __init__(self):
         self.sent, self.forgotten, self.heartbeats = [], [], 0
+        self.broken = {}
 
     def send(self, learner, message):
         self.sent.append((learner, message))
@@ -563,3 +564,34 @@ def test_a_checkpoints_parts_are_of_one_instant_though_the_server_steps_between_
     # the next checkpoint takes the next instant
     assert torch.equal(checkpoint.module_state({})["weight"], state.params[0].detach())
     assert checkpoint.engine_state()["version"] == 3
+
+
+def test_a_death_the_servers_loop_has_not_heard_yet_is_known_to_the_watchdog():
+    """The endpoint keeps why a learner's connection broke, so that rank 0's watchdog knows of
+    the death even where the server's loop is stuck (on a GPU, behind a payload that never
+    comes); it reads it as the loop would decide it."""
+    from types import SimpleNamespace
+
+    from lightning_stale.strategies.faults import FaultHandling
+
+    server, endpoint = make_server("k_async", k=2, p=3)
+    strategy = SimpleNamespace(_server=server, _learner=None, _trap=None)
+    assert server.unheard_death() is None and FaultHandling._known_failure(strategy) is None
+    endpoint.broken[2] = "receiving from learner 2 failed: reset"
+    assert server.unheard_death() == "learner 2 died: receiving from learner 2 failed: reset"
+    assert FaultHandling._known_failure(strategy) == server.unheard_death()
+    server.learner_reports[2] = Message(Kind.BYE, 2)  # it had left: its connection closing is no fault
+    assert server.unheard_death() is None
+    tolerant, endpoint = make_server("k_async", k=2, p=3, on_learner_failure="continue")
+    endpoint.broken[2] = "receiving from learner 2 failed: reset"
+    assert tolerant.unheard_death() is None  # the run goes on without it
+
+
+def test_an_endpoint_keeps_the_first_reason_a_connection_broke_and_tells_the_loop():
+    delivered = []
+    endpoint = ServerEndpoint(None, 1, delivered.append, queue.Queue(), max_numel=2)
+    endpoint._broke(1, "receiving from learner 1 failed: reset")
+    endpoint._broke(1, "sending to learner 1 failed: closed")
+    assert endpoint.broken == {1: "receiving from learner 1 failed: reset"}
+    assert [(m.kind, m.learner, m.error) for m in delivered] == [
+        (Kind.FAILED, 1, "receiving from learner 1 failed: reset"), (Kind.FAILED, 1, "sending to learner 1 failed: closed")]

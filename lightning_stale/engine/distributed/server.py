@@ -216,6 +216,18 @@ class ParameterServer:
             message.received_at = time.monotonic()
             self._on_push(message)
 
+    def unheard_death(self) -> str | None:
+        """A learner's connection broke mid-run where that ends the run, seen by the endpoint
+        before (or without) this server's loop: for the watchdog, which must not depend on that
+        loop (it may be stuck: on a GPU, behind a payload that will never arrive). The loop
+        itself decides as `_on_broken` does; this reads the same facts from another thread."""
+        if self.endpoint is None or self.on_learner_failure == "continue" or self.core.stopped:
+            return None
+        for learner, error in list(self.endpoint.broken.items()):
+            if learner not in self.learner_reports:
+                return f"learner {learner} died: {error}"
+        return None
+
     def _on_broken(self, event: Message) -> None:
         learner = event.learner
         self._lost.add(learner)

@@ -167,6 +167,7 @@ class ServerEndpoint:
         self._channels = channels or {}
         self._lanes, self._lend_pushes = lanes or {}, lend_pushes
         self._gone: set[int] = set()  # learners forgotten or whose connection broke
+        self.broken: dict[int, str] = {}  # learner -> why its connection broke (`_broke`)
         self.local_inbox, self.local_owner = local_inbox, local_owner
         self._max_numel = max(max_numel, MAX_REPORT_VALUES)
         # learner -> (pushes received, time.monotonic() of the latest), for `Message.hold`
@@ -270,8 +271,7 @@ class ServerEndpoint:
                     return
         except Exception as exc:  # noqa: BLE001 - reported to the server loop, which decides
             self._gone.add(learner)
-            self.deliver(Message(Kind.FAILED, learner=learner,
-                                 error=f"receiving from learner {learner} failed: {exc}"))
+            self._broke(learner, f"receiving from learner {learner} failed: {exc}")
 
     def _send_loop(self, learner: int) -> None:
         outbox = self._outboxes[learner]
@@ -298,8 +298,14 @@ class ServerEndpoint:
         except LaneClosed:
             return  # its connection broke or it died: the receiving thread has reported it
         except Exception as exc:  # noqa: BLE001
-            self.deliver(Message(Kind.FAILED, learner=learner,
-                                 error=f"sending to learner {learner} failed: {exc}"))
+            self._broke(learner, f"sending to learner {learner} failed: {exc}")
+
+    def _broke(self, learner: int, error: str) -> None:
+        """The connection to ``learner`` broke: the server loop decides what that means (a FAILED
+        message); ``broken`` keeps it for a watchdog that cannot wait for that loop (which may be
+        stuck, e.g. on a GPU behind a payload that will never arrive)."""
+        self.broken.setdefault(learner, error)
+        self.deliver(Message(Kind.FAILED, learner=learner, error=error))
 
     def join(self, timeout: float) -> list[str]:
         """Wait for the threads; names of those still running after ``timeout`` seconds."""

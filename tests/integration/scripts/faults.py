@@ -53,6 +53,9 @@ CASES = {
     "sigint_launcher": (0, signal.SIGINT, 2, "k_async", 1, {}),
     "sigint_child": (1, signal.SIGINT, 2, "k_async", 1, {}),
     "sigkill_server": (0, signal.SIGKILL, 2, "k_async", 1, {}),
+    # the server's thread stuck in a step (as behind a GPU payload that never comes), then rank
+    # 1 SIGKILLed: rank 0 must end without its server loop hearing of the death
+    "stuck_server_child_killed": (1, "stuck_server", 2, "k_async", 1, {}),
     "sigstop_server": (0, signal.SIGSTOP, 2, "k_async", 1, {"server_timeout": 3.0}),
     # rank 0 SIGKILLs learner 2 (VICTIM): only the server knows when every learner is training
     "continue_k_async": (0, signal.SIGKILL, 3, "k_async", 2, CONTINUE),
@@ -109,6 +112,15 @@ class FailingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class StickingSGD(torch.optim.SGD):
+    """SGD whose step (on the server's thread) blocks once the injector has asked for it."""
+
+    def step(self, closure=None):
+        while (OUT / "stick").exists():
+            time.sleep(0.05)
+        return super().step(closure)
+
+
 def lr_factor(step):
     if armed:
         fault_now("scheduler")
@@ -126,6 +138,8 @@ class Model(Classifier):
     def configure_optimizers(self):
         if FAULT == "optimizer":
             return FailingSGD(self.parameters(), lr=0.05)
+        if FAULT == "stuck_server":
+            return StickingSGD(self.parameters(), lr=0.05)
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
         if FAULT != "scheduler":
             return optimizer
@@ -169,6 +183,11 @@ class Inject(pl.Callback):
         if isinstance(FAULT, signal.Signals):
             fault_now(FAULT.name)
             os.kill(pid, FAULT)
+        if FAULT == "stuck_server":
+            (OUT / "stick").touch()
+            time.sleep(1.0)  # the server's next step has begun by now, and blocks
+            fault_now("SIGKILL")
+            os.kill(pid, signal.SIGKILL)
         if FAULT == "freeze_then_kill":
             os.kill(pid, signal.SIGSTOP)
             threading.Thread(target=self.kill_after_epoch_end, args=(trainer.strategy.core, pid), daemon=True).start()
