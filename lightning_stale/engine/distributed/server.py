@@ -221,21 +221,30 @@ class ParameterServer:
         before (or without) this server's loop: for the watchdog, which must not depend on that
         loop (it may be stuck: on a GPU, behind a payload that will never arrive). The loop
         itself decides as `_on_broken` does; this reads the same facts from another thread."""
-        if self.endpoint is None or self.on_learner_failure == "continue" or self.core.stopped:
+        if self.endpoint is None:
             return None
         for learner, error in list(self.endpoint.broken.items()):
-            if learner not in self.learner_reports:
+            if not self._leaving(learner) and self._death_ends_run():
                 return f"learner {learner} died: {error}"
         return None
+
+    def _leaving(self, learner: int) -> bool:
+        """Whether ``learner`` left, or is leaving: its connection closing is no fault."""
+        return learner in self.learner_reports or self.core.stopped
+
+    def _death_ends_run(self) -> bool:
+        """Whether a learner's death mid-run ends the run: unless the run is to go on without
+        it, and can (K < P: with K = P every update would wait for the dead)."""
+        return self.on_learner_failure != "continue" or self.core.rules.k == self.core.rules.p
 
     def _on_broken(self, event: Message) -> None:
         learner = event.learner
         self._lost.add(learner)
-        if learner in self.learner_reports or self.core.stopped:
+        if self._leaving(learner):
             self._answer_roll_call()  # (after the stop nothing more is removed: it is not waited for)
-            return  # it left, or is leaving: its connection closing is no fault
-        k, p = self.core.rules.k, self.core.rules.p
-        if self.on_learner_failure != "continue" or k == p:
+            return
+        if self._death_ends_run():
+            p = self.core.rules.p
             why = "" if self.on_learner_failure != "continue" else (
                 f" (on_learner_failure='continue' needs K < P; K = P = {p}: every update waits "
                 "for every learner)")
