@@ -175,8 +175,14 @@ class Watchdog(threading.Thread):
 
     @staticmethod
     def _exit(reason: str, why: str) -> None:
-        print(f"lightning_stale: ending this process ({why}): {reason}", file=sys.stderr, flush=True)
-        os._exit(1)
+        end_process(reason, why)
+
+
+def end_process(reason: str, why: str) -> None:
+    """Print why this process ends and end it with status 1, now (no exit hooks: one may wait
+    for a dead peer)."""
+    print(f"lightning_stale: ending this process ({why}): {reason}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 class ChildWatch(threading.Thread):
@@ -211,7 +217,7 @@ class ChildWatch(threading.Thread):
                     if child.poll() is None:
                         child.kill()
                 i = failed[0]
-                Watchdog._exit(f"learner process {self.children[i].pid} (rank {i + 1}) ended with status {codes[i]}",
+                end_process(f"learner process {self.children[i].pid} (rank {i + 1}) ended with status {codes[i]}",
                                f"still running {self.grace:.0f} s after a learner process failed")
                 return
 
