@@ -42,6 +42,10 @@ STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp, kStreamsPerPool
 # priority, the most urgent one (-(levels - 1)), PyTorch keeping up to 4 (c10's
 # max_compile_time_stream_priorities); CUDA devices since Turing offer 6 (0 to -5).
 ENGINE_PRIORITY = -1
+# The engine's roles of one stream per process; each device channel is a role of its own too
+# (``("channel", sender, receiver)``).
+SERVER, OWNER, COPIES, READERS = "server", "owner", "copies", "readers"
+_FIXED_ROLES = (SERVER, OWNER, COPIES, READERS)
 _engine_streams: dict[tuple[torch.device, Hashable], torch.cuda.Stream] = {}
 _engine_lock = threading.Lock()
 
@@ -70,7 +74,7 @@ def side_stream(device: torch.device, role: Hashable) -> torch.cuda.Stream | Non
 def engine_streams_needed(channels: int) -> int:
     """The most streams one process of the engine holds at its level: the server's, a shard
     owner's, the copies' to the host, the readers', and one per device channel it holds."""
-    return 4 + channels
+    return len(_FIXED_ROLES) + channels
 
 
 def separate_levels(device: torch.device) -> bool:
@@ -143,7 +147,7 @@ def to_host(tensor: Tensor, ready: torch.cuda.Event | None) -> Tensor:
     the host for ``ready`` and runs on a stream of its own, never behind another stream's work."""
     if not tensor.is_cuda:
         return tensor
-    with on(engine_stream(tensor.device, "copies")):
+    with on(engine_stream(tensor.device, COPIES)):
         if ready is not None:
             ready.synchronize()
         return tensor.cpu()
@@ -155,7 +159,7 @@ def reading(stream: torch.cuda.Stream | None) -> Iterator[None]:
     holds that thread still (its lock): the reads run on a stream of their own that starts after
     ``stream``'s work so far (not on the caller's, which may wait for a collective), and are
     complete when this ends, before the engine thread changes the state again."""
-    reader = engine_stream(stream.device, "readers") if stream is not None else None
+    reader = engine_stream(stream.device, READERS) if stream is not None else None
     with running_on(reader):
         if reader is not None:
             reader.wait_stream(stream)

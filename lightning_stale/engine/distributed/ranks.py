@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 SERVER_PATHS = ("auto", "central", "collective", "sharded")
 # The most processes whose NCCL channels keep their CUDA streams apart: a process holds up to
-# 2(P - 1) channels, each on an engine stream beside four others (`streams.engine_streams_needed`).
+# 2(P - 1) channels, each on an engine stream beside the engine's others (`streams.engine_streams_needed`).
 MAX_CHANNEL_WORLD = next(p for p in range(64, 1, -1)
                          if streams.engine_streams_needed(2 * (p - 1)) <= streams.STREAMS_PER_POOL)
 # The first exchange on a channel (`channels._first_exchange`): large enough for the protocol of

@@ -72,7 +72,7 @@ class ParameterServer:
         # On a GPU the server works on a stream of its own (`engine.streams`: on the default one,
         # its copies to the host would queue behind the training thread's collectives).
         device = core.state.vectors.device if core.state is not None else torch.device("cpu")
-        self.stream = streams.side_stream(device, "server")
+        self.stream = streams.side_stream(device, streams.SERVER)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, endpoint: ServerEndpoint) -> None:

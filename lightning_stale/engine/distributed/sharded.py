@@ -125,7 +125,7 @@ class ShardOwner:
         self._mesh_failure: str | None = None
         # On a GPU the owner works on a stream of its own: on the default one, its copies to the
         # host would queue behind this rank's collectives (`engine.streams`).
-        self.stream = streams.side_stream(state.vectors.device, "owner")
+        self.stream = streams.side_stream(state.vectors.device, streams.OWNER)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"stale-shard-{rank}")
 
     def start(self, endpoint, server=None) -> None:
