@@ -83,8 +83,7 @@ def on_every_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on every rank (an all-reduce on the default group's device)."""
     if not dist.is_initialized():
         return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    value = torch.tensor([int(flag)], device=device)
+    value = torch.tensor([int(flag)], device=group_device())
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
 
@@ -108,14 +107,17 @@ def shard_matches_module(placement, model) -> bool:
                for i, mine in zip(placement.owned, placement.owner.state.params))
 
 
+def group_device() -> torch.device:
+    """Where the default group's collectives take their tensors: NCCL CUDA ones, gloo host ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def same_on_every_rank(model) -> bool:
-    """Every learner holds the same parameters (compared through the default group, on its
-    backend's device: NCCL gathers CUDA tensors, gloo host ones)."""
+    """Every learner holds the same parameters (compared through the default group)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if not dist.is_initialized():
         return True
-    if dist.get_backend() == "nccl":
-        flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
+    flat = flat.to(group_device())
     gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return all(torch.equal(g, flat) for g in gathered)

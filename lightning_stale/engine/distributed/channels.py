@@ -123,8 +123,7 @@ def close_channels(channels: dict[tuple[int, int], Channel]) -> None:
 
 
 def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tuple[int, int], Channel],
-                    device: torch.device, numel: int = 1,
-                    limit: datetime.timedelta = default_pg_timeout) -> None:
+                    device: torch.device, numel: int, limit: datetime.timedelta) -> None:
     """A vector of ``numel`` values over every channel, before training: NCCL creates a group's
     communicator at its first operation, and creating one allocates device memory, which can
     wait for kernels already running; were that to happen in an engine thread during training,
