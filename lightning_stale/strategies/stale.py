@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
+from functools import partial
 from typing import Any, Optional, Union
 
 import torch
@@ -302,11 +303,14 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                      "which may change the gradients", ", ".join(hooks))
         overlap = overlap and not hooks
         vectors = ModelVectors.of(self.lightning_module)
-        backend = dist.get_backend() if self.world_size > 1 else None
-        self._channels = channel_backend(self.payload_channels, self.path, self.world_size, backend,
-                                         self.root_device, self.on_learner_failure,
-                                         vectors.max_push_numel() * vectors.dtype.itemsize,
-                                         backend != "nccl" or levels_agree(self._server_group, self.root_device))
+        choice = partial(channel_backend, self.payload_channels, self.path, self.world_size,
+                         dist.get_backend() if self.world_size > 1 else None, self.root_device,
+                         self.on_learner_failure, vectors.max_push_numel() * vectors.dtype.itemsize)
+        self._channels = choice()
+        # (asked only where NCCL channels would open: the same on every rank, as the question is
+        # collective; without the levels they stay off, or are refused, saying why)
+        if self._channels == "nccl" and not levels_agree(self._server_group, self.root_device):
+            self._channels = choice(separate_levels=False)
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
                               self.server_timeout, self.staleness_compensation, self._adaptive,
                               self.shared_memory, overlap, self.shutdown_timeout, self._channels, self._timeout)
