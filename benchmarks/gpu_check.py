@@ -5,13 +5,15 @@ on NCCL, and checks what only a GPU run can show:
 
 * central (every variant): the default group is NCCL while the server's group is gloo; the
   learners' and the server's parameters live on the GPU; with several GPUs on NCCL, payloads
-  larger than a header's frame travel GPU to GPU on device channels (``payload_channels``, a
-  NCCL group per direction; ``--hidden 1024 320`` makes them that large), else as CPU vectors;
+  larger than a header's frame travel GPU to GPU on device channels with ``--payload-channels
+  on`` (``payload_channels=True``, a NCCL group per direction, unverified on several GPUs;
+  ``--hidden 1024 320`` makes them that large), else as CPU vectors;
   after fit the module holds the server's parameters;
 * collective (the sync family): the K gradients of an update meet in an all-reduce of CUDA
   tensors on the default (NCCL) group, and every learner steps its own optimizer on the GPU;
-  under ``sync`` the all-reduce runs in buckets during backward, on an NCCL group of its own,
-  launched from the autograd hooks (``overlapped``: updates reduced so, on rank 0);
+  under ``sync`` the all-reduce runs in buckets during backward, on a group of its own,
+  launched from the autograd hooks (``overlapped``: updates reduced so, on rank 0): by default
+  where the default group is gloo, on NCCL with ``--overlap on`` (unverified on several GPUs);
 * sharded (the async family): every rank's owner holds its shard on the GPU; pieces and slices
   travel on device channels like the central path's payloads;
 
@@ -32,7 +34,7 @@ script itself.
 
     python benchmarks/gpu_check.py [--devices 2] [--learners-per-gpu 2] [--updates 60]
         [--precision 16-mixed] [--accelerator gpu] [--hidden 1024 320] [--payload-channels on]
-        [--optimizer adamw] [--checkpoint-every 20]
+        [--optimizer adamw] [--checkpoint-every 20] [--overlap on]
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ def check(name: str, path: str, args) -> dict:
                                          for _ in range(args.learners_per_gpu)],
                        process_group_backend="gloo")
     strategy = StaleStrategy(name, delay=ShiftedExponential(shift=0.002, mean=0.01, seed=args.seed),
-                             record_trace=False, server=path, payload_channels=args.channels, **sharing)
+                             record_trace=False, server=path, payload_channels=args.channels,
+                             overlap_allreduce=args.overlap, **sharing)
     placement = Placement()
     callbacks = [placement]
     with tempfile.TemporaryDirectory() as folder:
@@ -186,8 +189,10 @@ def main() -> None:
     parser.add_argument("--learners-per-gpu", type=int, default=1,
                         help="learner processes on each GPU; above 1 the default group runs on gloo")
     parser.add_argument("--updates", type=int, default=60)
-    parser.add_argument("--payload-channels", dest="channels", default="auto", choices=["auto", "on", "off"],
-                        help="StaleStrategy(payload_channels=): auto (NCCL only), on (gloo groups on CPU), off")
+    parser.add_argument("--payload-channels", dest="channels", default="off", choices=["on", "off"],
+                        help="StaleStrategy(payload_channels=): on (NCCL groups on GPUs, gloo on CPU), off")
+    parser.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                        help="StaleStrategy(overlap_allreduce=): auto (where the default group is gloo), on, off")
     parser.add_argument("--hidden", type=int, nargs="+", default=None,
                         help="the MLP's hidden widths (default: the digits MLP's, 19k parameters, whose "
                              "payloads fit a header's frame; 1024 320: 0.4M, payloads on channels)")
@@ -198,7 +203,8 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true",
                         help="the Trainer's precision (on CUDA, 16-mixed runs with a gradient scaler)")
     args = parser.parse_args()
-    args.channels = {"auto": None, "on": True, "off": False}[args.channels]
+    args.channels = args.channels == "on"
+    args.overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     apply_process_settings(args)
     if args.devices is None:
         args.devices = torch.cuda.device_count() if args.accelerator == "gpu" else 2
@@ -217,16 +223,17 @@ def main() -> None:
         return
     expected_device = "cuda" if args.accelerator == "gpu" else "cpu"
     expected_default = "nccl" if args.accelerator == "gpu" and args.learners_per_gpu == 1 else "gloo"
-    # device channels where NCCL runs between several learners (auto), on the paths with payloads,
-    # for a model whose pushes exceed a frame (--hidden 1024 320; the digits MLP's do not)
-    channels = (None if learners == 1 or args.channels is False else
-                "nccl" if expected_default == "nccl" else "gloo" if args.channels else None)
+    # device channels where asked for, between several learners, on the paths with payloads, for a
+    # model whose pushes exceed a frame (--hidden 1024 320; the digits MLP's do not)
+    channels = (None if learners == 1 or not args.channels else
+                "nccl" if expected_default == "nccl" else "gloo")
+    overlap = args.overlap if args.overlap is not None else expected_default == "gloo"
     failed = [f"{r['variant']}@{r['path']}" for r in rows
               if not (r["counts_balance"] and r["module_matches_server"] and r["same_on_every_rank"]
                       and r["shards_match_module"] and r["own_gpu_only"]
                       and r["loss_last_10"] < r["loss_first_10"]
                       # (a gradient scaler's unscaling follows the decision: no overlap then)
-                      and (r["overlapped"] > 0) == (r["variant"] == "sync" and r["path"] == "collective"
+                      and (r["overlapped"] > 0) == (overlap and r["variant"] == "sync" and r["path"] == "collective"
                                                     and not r["scaler"])
                       and r["module_device"].startswith(expected_device)
                       and r["server_device"].startswith(expected_device)

@@ -20,7 +20,7 @@ from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 from lightning_stale.engine.distributed.channels import close_channels
 from lightning_stale.engine.distributed.ranks import (RankOptions, build_rank, channel_backend, check_path,
-                                                      levels_agree, overlaps, settle_path)
+                                                      levels_agree, overlap_wanted, overlaps, settle_path)
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 DELAY_MODES = ("after_compute", "total")
 _SERVER_GROUP_TIMEOUT = timedelta(days=7)  # a gloo timeout kills the connection: never hit it
+# Routes that have not run on two or more GPUs: never a default, logged when asked for.
+UNVERIFIED = ("%s: this route has not run on two or more GPUs yet (see the documentation's GPU "
+              "page); pass False to use the verified route")
 _DDP_OPTIONS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
                 "precision_plugin", "process_group_backend", "timeout", "start_method")
 
@@ -100,22 +103,25 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             receives its parameters through a file in ``/dev/shm`` mapped by both processes,
             with only the headers over gloo (`engine.distributed.lanes`; learners on other
             hosts, or where ``/dev/shm`` lacks the space, use gloo). False: gloo for all.
-        payload_channels: on the central and sharded paths, payloads travel on point-to-point
-            groups of the default group's backend, one per direction between two ranks
-            (`engine.distributed.channels`), with only the headers over gloo. None (default):
-            where that backend is NCCL, so that gradients and parameters go from GPU to GPU
-            without a copy through host memory, unless ``on_learner_failure="continue"`` (a
-            dead peer would leave NCCL waiting) or beyond 15 processes (each channel needs CUDA
-            streams of its own, from PyTorch's pools of 32: `engine.streams`); True: always (on
-            CPU, gloo groups; refused for GPUs on a gloo default group, and where the streams
-            would not fit); False: never; nowhere for a model whose whole
-            push fits a header's frame (256 KiB). ``stats["payload_channels"]``
-            names the backend used, or None, and ``stats["payloads_on_channels"]`` counts the
-            payloads rank 0 sent and received on them.
+        payload_channels: False (default): payloads go through host memory, with their
+            headers over gloo. True: on the central and sharded paths, payloads travel on
+            point-to-point groups of the default group's backend, one per direction between two
+            ranks (`engine.distributed.channels`), with only the headers over gloo: on NCCL,
+            gradients and parameters go from GPU to GPU without a copy through host memory (a
+            route that has not run on several GPUs yet: it is logged as unverified at start-up);
+            on CPU, gloo groups. Refused with ``on_learner_failure="continue"`` (a dead peer
+            would leave NCCL waiting), for GPUs on a gloo default group, and beyond 15
+            processes (each channel needs CUDA streams of its own, from PyTorch's pools of 32:
+            `engine.streams`); unused for a model whose whole push fits a header's frame
+            (256 KiB). ``stats["payload_channels"]`` names the backend used, or None, and
+            ``stats["payloads_on_channels"]`` counts the payloads rank 0 sent and received on them.
         overlap_allreduce: on the collective path, where every update takes one gradient from
             every learner (``sync``; ``k_sync`` with K = P and no ``adaptive_k``), each learner
             reduces its gradient in buckets while backward runs, as DDP does
-            (`engine.distributed.overlap`), on a process group of its own. It applies to
+            (`engine.distributed.overlap`), on a process group of its own. None (default): where
+            the default group runs on gloo; not on NCCL, where that second communicator beside
+            the default one has not run on several GPUs yet. True: on NCCL too (logged as
+            unverified at start-up). It applies to
             automatic optimization with one micro-batch per push and no gradient scaler
             (``16-mixed``), and where neither the module nor a callback overrides
             ``on_after_backward`` or ``on_before_optimizer_step`` (they may change the
@@ -151,7 +157,7 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                  adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
-                 overlap_allreduce: bool = True, payload_channels: Optional[bool] = None,
+                 overlap_allreduce: Optional[bool] = None, payload_channels: bool = False,
                  **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
@@ -162,16 +168,16 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             raise ValueError("on_learner_failure='continue' cannot apply to variant 'sync': every "
                              "update waits for every learner; use a K-variant with K < P")
         for name, flag in (("hold_freed_memory", hold_freed_memory), ("shared_memory", shared_memory),
-                           ("overlap_allreduce", overlap_allreduce)):
+                           ("payload_channels", payload_channels)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if payload_channels not in (None, True, False):
-            raise ValueError(f"payload_channels must be None (where NCCL is the default group's "
-                             f"backend), True or False, got {payload_channels!r}")
+        if overlap_allreduce is not None and not isinstance(overlap_allreduce, bool):
+            raise ValueError(f"overlap_allreduce must be None (where the default group runs on gloo), "
+                             f"True or False, got {overlap_allreduce!r}")
         if payload_channels and on_learner_failure == "continue":
             raise ValueError("payload_channels=True cannot go with on_learner_failure='continue': a "
                              "dead learner would leave its peers' point-to-point transfers waiting; "
-                             "leave payload_channels unset (host transport then)")
+                             "pass payload_channels=False (host transport, the default)")
         for name, value in (("server_timeout", server_timeout), ("shutdown_timeout", shutdown_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -287,14 +293,15 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self.path, lanes = settle_path(self.server, variant, self.lightning_module, self._server_group,
                                        self.global_rank, self.on_learner_failure, self.staleness_compensation,
                                        clips=self._clip is not None, nodes=self.num_nodes,
-                                       shared_memory=self.shared_memory and self.payload_channels is not True,
+                                       shared_memory=self.shared_memory and not self.payload_channels,
                                        cpu=self.root_device.type == "cpu")
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         # The collective path under a variant whose every update takes one gradient from each
         # learner, one backward per push, no scaler to undo and no user hook that may change
         # gradients after backward: a round's gradient is then the one pushed.
-        overlap = (self.overlap_allreduce and self.path == "collective" and overlaps(variant, self._adaptive)
+        default_backend = dist.get_backend() if self.world_size > 1 else None
+        overlap = (overlap_wanted(self.overlap_allreduce, default_backend) and self.path == "collective" and overlaps(variant, self._adaptive)
                    and trainer.accumulate_grad_batches == 1 and self.lightning_module.automatic_optimization
                    and getattr(self.precision_plugin, "scaler", None) is None)
         hooks = hooks_after_backward(self.lightning_module, trainer.callbacks) if overlap else []
@@ -303,14 +310,18 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                      "which may change the gradients", ", ".join(hooks))
         overlap = overlap and not hooks
         vectors = ModelVectors.of(self.lightning_module)
+        if overlap and default_backend == "nccl" and self.global_rank == 0:
+            log.warning(UNVERIFIED, "overlap_allreduce=True (the overlap's own NCCL group)")
         choice = partial(channel_backend, self.payload_channels, self.path, self.world_size,
-                         dist.get_backend() if self.world_size > 1 else None, self.root_device,
+                         default_backend, self.root_device,
                          self.on_learner_failure, vectors.max_push_numel() * vectors.dtype.itemsize)
         self._channels = choice()
         # (asked only where NCCL channels would open: the same on every rank, as the question is
-        # collective; without the levels they stay off, or are refused, saying why)
+        # collective; without the levels they are refused, saying why)
         if self._channels == "nccl" and not levels_agree(self._server_group, self.root_device):
             self._channels = choice(separate_levels=False)
+        if self._channels == "nccl" and self.global_rank == 0:
+            log.warning(UNVERIFIED, "payload_channels=True (NCCL point-to-point groups for payloads)")
         options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
                               self.server_timeout, self.staleness_compensation, self._adaptive,
                               self.shared_memory, overlap, self.shutdown_timeout, self._channels, self._timeout)

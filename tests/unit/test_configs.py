@@ -236,7 +236,7 @@ def test_server_engine_gets_variant_k_and_delay_object(monkeypatch):
     class RecordingStrategy:
         def __init__(self, variant, k=None, delay=None, delay_mode="after_compute", server="auto",
                      hold_freed_memory=False, shared_memory=False, overlap_allreduce=False,
-                     payload_channels=False):
+                     payload_channels=True):
             self.variant, self.k, self.delay, self.delay_mode = variant, k, delay, delay_mode
             self.server, self.hold_freed_memory = server, hold_freed_memory
             self.shared_memory, self.overlap_allreduce = shared_memory, overlap_allreduce
@@ -246,5 +246,6 @@ def test_server_engine_gets_variant_k_and_delay_object(monkeypatch):
     strategy = build_strategy(compose_config("digits_k_async"))
     assert (strategy.variant, strategy.k, strategy.delay_mode, strategy.server) == ("k_async", 2, "after_compute", "auto")
     assert strategy.hold_freed_memory is True and strategy.shared_memory is True
-    assert strategy.overlap_allreduce is True and strategy.payload_channels is None  # auto
+    # overlap where the default group is gloo (None); no device channels (never run on GPUs)
+    assert strategy.overlap_allreduce is None and strategy.payload_channels is False
     assert isinstance(strategy.delay, ShiftedExponential) and strategy.delay.shift == 0.01

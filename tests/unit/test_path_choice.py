@@ -153,19 +153,21 @@ LARGE = ranks.INLINE_PAYLOAD_BYTES + 4  # a push larger than a header's frame
 
 
 @pytest.mark.parametrize("wanted,path,world,backend,device,failure,push_bytes,expected", [
-    (None, "central", 4, "nccl", "cuda", "stop", LARGE, "nccl"),  # auto: GPU to GPU where NCCL runs
-    (None, "sharded", 8, "nccl", "cuda", "stop", LARGE, "nccl"),
-    (None, "central", 4, "nccl", "cuda", "stop", LARGE - 4, None),  # every payload fits a frame
+    (False, "central", 4, "nccl", "cuda", "stop", LARGE, None),  # the default: through host memory
+    (False, "sharded", 8, "nccl", "cuda", "stop", LARGE, None),
+    (True, "central", 4, "nccl", "cuda", "stop", LARGE, "nccl"),  # asked for: GPU to GPU
+    (True, "sharded", 8, "nccl", "cuda", "stop", LARGE, "nccl"),
+    (True, "central", 4, "nccl", "cuda", "stop", LARGE - 4, None),  # every payload fits a frame
     (True, "central", 4, "gloo", "cpu", "stop", LARGE - 4, None),
-    (None, "central", 4, "nccl", "cuda", "continue", LARGE, None),  # a dead peer would leave NCCL waiting
-    (None, "central", 4, "gloo", "cpu", "stop", LARGE, None),  # on CPU gloo carries payloads already
-    (None, "collective", 4, "nccl", "cuda", "stop", LARGE, None),  # its payloads meet in all-reduces
-    (None, "central", 1, None, "cuda", "stop", LARGE, None),  # no peer
+    (False, "central", 4, "gloo", "cpu", "stop", LARGE, None),  # on CPU gloo carries payloads already
+    (True, "collective", 4, "nccl", "cuda", "stop", LARGE, None),  # its payloads meet in all-reduces
+    (True, "central", 1, None, "cuda", "stop", LARGE, None),  # no peer
     (True, "sharded", 4, "gloo", "cpu", "stop", LARGE, "gloo"),
-    (False, "central", 4, "nccl", "cuda", "stop", LARGE, None),
 ])
-def test_payloads_take_device_channels_where_nccl_runs_or_where_asked(wanted, path, world, backend, device,
-                                                                      failure, push_bytes, expected):
+def test_payloads_take_device_channels_only_where_asked(wanted, path, world, backend, device,
+                                                        failure, push_bytes, expected):
+    """Device channels have not run on several GPUs: they are never a default (payloads go
+    through host memory, which has), and open where asked for."""
     import torch
 
     assert ranks.channel_backend(wanted, path, world, backend, torch.device(device), failure,
@@ -179,23 +181,30 @@ def test_channels_asked_for_on_gpus_without_nccl_are_refused_naming_the_backend(
         ranks.channel_backend(True, "central", 2, "gloo", torch.device("cuda"), "stop", LARGE)
 
 
-def test_nccl_channels_stop_where_their_streams_would_share_a_pool():
+def test_nccl_channels_are_refused_where_their_streams_would_share_a_pool():
     """Up to MAX_CHANNEL_WORLD processes every channel keeps a stream of its own (32 per pool,
-    PyTorch's); beyond, and where a device offers too few priority levels, the payloads go
-    through host memory, and asking for channels there is refused, saying why."""
+    PyTorch's); beyond, and where a device offers too few priority levels, asking for channels
+    is refused, saying why."""
     import torch
 
     gpu, top = torch.device("cuda"), ranks.MAX_CHANNEL_WORLD
     assert ranks.streams.engine_streams_needed(2 * (top - 1)) <= ranks.streams.STREAMS_PER_POOL
     assert ranks.streams.engine_streams_needed(2 * top) > ranks.streams.STREAMS_PER_POOL
     for path in ("central", "sharded"):
-        assert ranks.channel_backend(None, path, top, "nccl", gpu, "stop", LARGE) == "nccl"
-        assert ranks.channel_backend(None, path, top + 1, "nccl", gpu, "stop", LARGE) is None
-        assert ranks.channel_backend(None, path, 4, "nccl", gpu, "stop", LARGE, separate_levels=False) is None
+        assert ranks.channel_backend(True, path, top, "nccl", gpu, "stop", LARGE) == "nccl"
     with pytest.raises(ValueError, match=rf"payload_channels=True: {top + 1} processes .*at most {top} processes"):
         ranks.channel_backend(True, "central", top + 1, "nccl", gpu, "stop", LARGE)
     with pytest.raises(ValueError, match=r"fewer than three stream priority levels"):
         ranks.channel_backend(True, "sharded", 4, "nccl", gpu, "stop", LARGE, separate_levels=False)
+
+
+@pytest.mark.parametrize("setting,backend,expected", [
+    (None, "gloo", True), (None, None, True),  # the default: where the default group is gloo
+    (None, "nccl", False),  # a second NCCL communicator beside the default one: never run on GPUs
+    (True, "nccl", True), (False, "gloo", False),  # as given
+])
+def test_the_overlap_is_no_default_on_nccl(setting, backend, expected):
+    assert ranks.overlap_wanted(setting, backend) is expected
 
 
 @pytest.mark.parametrize("path,p,pairs", [

@@ -35,7 +35,9 @@ def single_process(monkeypatch):
     (dict(variant="sync", adaptive_k=1.0), r"adaptive_k changes K, so it needs a K-variant"),
     (dict(variant="k_async", staleness_compensation="sqrt"), r"unknown staleness compensation 'sqrt'"),
     (dict(variant="k_async", delay_mode="before"), r"unknown delay_mode 'before'; choose one of after_compute, total"),
-    (dict(variant="k_async", payload_channels="nccl"), r"payload_channels must be None .* True or False, got 'nccl'"),
+    (dict(variant="k_async", payload_channels="nccl"), r"payload_channels must be True or False, got 'nccl'"),
+    (dict(variant="k_async", payload_channels=None), r"payload_channels must be True or False, got None"),
+    (dict(variant="sync", overlap_allreduce="yes"), r"overlap_allreduce must be None .*, True or False, got 'yes'"),
     (dict(variant="k_async", k=2, payload_channels=True, on_learner_failure="continue"),
      r"payload_channels=True cannot go with on_learner_failure='continue'"),
 ])

@@ -160,41 +160,43 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
     return scaled if ok else "central"
 
 
-def channel_backend(wanted: bool | None, path: str, world: int, default_backend: str | None,
+def channel_backend(wanted: bool, path: str, world: int, default_backend: str | None,
                     device: torch.device, on_learner_failure: str, push_bytes: int,
                     separate_levels: bool = True) -> str | None:
     """The backend of the device channels (`channels`) for `StaleStrategy`'s
-    ``payload_channels`` (None: auto), or None for none: NCCL where the default group runs on it
-    (auto: unless dead learners are to be survived), gloo on CPU when asked for; none where a
-    whole push (``push_bytes``) fits a header's frame, as every payload then does.
+    ``payload_channels``, or None for none. Channels open only where asked for (they have never
+    run on several GPUs, so they are no default): NCCL where the default group runs on it, gloo
+    on CPU; none where a whole push (``push_bytes``) fits a header's frame, as every payload
+    then does.
 
     NCCL channels need CUDA streams that no other user shares (`engine.streams`): a stream
     priority level of the engine's own on every rank (``separate_levels``, `levels_agree`), and
     no more streams at that level, nor NCCL groups at the channels' level, than a pool holds
-    (``streams.STREAMS_PER_POOL``): up to ``MAX_CHANNEL_WORLD`` processes."""
-    if wanted is False or world < 2 or not channel_pairs(path, world) or push_bytes <= INLINE_PAYLOAD_BYTES:
+    (``streams.STREAMS_PER_POOL``): up to ``MAX_CHANNEL_WORLD`` processes. Where they cannot
+    have them, asking for channels is refused, saying why."""
+    if not wanted or world < 2 or not channel_pairs(path, world) or push_bytes <= INLINE_PAYLOAD_BYTES:
         return None
     if default_backend == "nccl":
-        if not (wanted or on_learner_failure == "stop"):
-            return None
         problem = (f"{world} processes hold up to {2 * (world - 1)} channels each, more streams than a "
                    f"pool of {streams.STREAMS_PER_POOL} keeps apart (at most {MAX_CHANNEL_WORLD} processes)"
                    if world > MAX_CHANNEL_WORLD else
                    None if separate_levels else "a device offers fewer than three stream priority levels")
-        if problem is None:
-            return "nccl"
-        if wanted:
-            raise ValueError(f"payload_channels=True: {problem}; leave payload_channels unset, or pass "
-                             "payload_channels=False, and payloads go through host memory")
-        log.info("payload channels off: %s; payloads go through host memory", problem)
-        return None
-    if wanted and device.type == "cpu":
+        if problem is not None:
+            raise ValueError(f"payload_channels=True: {problem}; pass payload_channels=False (the "
+                             "default), and payloads go through host memory")
+        return "nccl"
+    if device.type == "cpu":
         return "gloo"
-    if wanted:
-        raise ValueError(f"payload_channels=True needs NCCL for payloads on {device.type} devices, but "
-                         f"the default process group runs on {default_backend!r}: use "
-                         "process_group_backend='nccl', or leave payload_channels unset")
-    return None
+    raise ValueError(f"payload_channels=True needs NCCL for payloads on {device.type} devices, but "
+                     f"the default process group runs on {default_backend!r}: use "
+                     "process_group_backend='nccl', or pass payload_channels=False (the default)")
+
+
+def overlap_wanted(setting: bool | None, default_backend: str | None) -> bool:
+    """`StaleStrategy`'s ``overlap_allreduce``: None (the default) overlaps where the default group
+    runs on gloo, not on NCCL, where the overlap's own communicator beside the default one has
+    not run on several GPUs yet (what has never run is no default); True or False as given."""
+    return default_backend != "nccl" if setting is None else setting
 
 
 def levels_agree(group, device: torch.device) -> bool:
