@@ -5,11 +5,17 @@ A parameter-server strategy running the six distributed-SGD variants of Dutta et
 theory, and a virtual-clock twin of the engine for sweeps.
 """
 
+from lightning_stale.method.variants import VARIANT_NAMES, Variant
+from lightning_stale.strategies import SimulatedStaleStrategy, StaleStrategy
 from lightning_stale.strategies.callbacks import WallClockLogger
 from lightning_stale.strategies.timing import MiniBatchTimer
-from lightning_stale.strategies import SimulatedStaleStrategy, StaleStrategy
-from lightning_stale.method.variants import VARIANT_NAMES, Variant
 
-__all__ = ["MiniBatchTimer", "SimulatedStaleStrategy", "StaleStrategy", "Variant", "VARIANT_NAMES",
-           "WallClockLogger"]
+__all__ = [
+           "VARIANT_NAMES",
+           "MiniBatchTimer",
+           "SimulatedStaleStrategy",
+           "StaleStrategy",
+           "Variant",
+           "WallClockLogger",
+]
 __version__ = "0.1.0"

@@ -32,10 +32,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning import Trainer, seed_everything
 
+from lightning_stale.config import (
+    ConfigError,
+    Contestant,
+    check_race_overrides,
+    contestant_configs,
+    is_race,
+    process_count,
+    recipes_dir,
+    validate_config,
+)
 from lightning_stale.strategies.callbacks import WallClockLogger
-from lightning_stale.config import (ConfigError, Contestant, check_race_overrides,
-                                    contestant_configs, is_race, process_count, recipes_dir,
-                                    validate_config)
 
 # A race's contestants log under <run dir>/contestants/<n>-<name>/ (one run directory each, in
 # the form lightning_stale.plot reads); the report goes beside that folder.

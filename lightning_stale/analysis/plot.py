@@ -35,9 +35,17 @@ from hydra.experimental.callback import Callback
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
-from lightning_stale.analysis.runs import (Run, adaptive_rows, convex_problem,
-                                         find_runs, floor_rows, loss_rows, smoothed, theory_rows,
-                                         tradeoff_rows)
+from lightning_stale.analysis.runs import (
+    Run,
+    adaptive_rows,
+    convex_problem,
+    find_runs,
+    floor_rows,
+    loss_rows,
+    smoothed,
+    theory_rows,
+    tradeoff_rows,
+)
 from lightning_stale.method.variants import kind_of
 
 log = logging.getLogger(__name__)

@@ -34,11 +34,10 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_stale.method import theory
 from lightning_stale.config import learner_count
 from lightning_stale.delays import Exponential, ShiftedExponential
+from lightning_stale.method import theory
 from lightning_stale.method.variants import Variant, kind_of
-
 
 
 @dataclass

@@ -8,13 +8,13 @@ from lightning_stale.data.digits import DigitsDataModule
 from lightning_stale.data.mnist import MNIST_FILES, MNISTDataModule, read_idx
 
 __all__ = [
-    "CIFAR10DataModule",
     "CIFAR10_FILES",
+    "MNIST_FILES",
+    "CIFAR10DataModule",
     "ConvexDataModule",
     "DigitsDataModule",
     "InMemoryDataModule",
     "MNISTDataModule",
-    "MNIST_FILES",
     "NormalizedImageDataset",
     "read_cifar_batch",
     "read_idx",

@@ -9,8 +9,8 @@ works on map-style datasets with an ordinary sampler.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from pytorch_lightning import LightningDataModule
@@ -134,8 +134,8 @@ def seeded_split(num_items: int, val_fraction: float, test_fraction: float, seed
     if val_fraction < 0 or test_fraction < 0 or val_fraction + test_fraction >= 1:
         raise ValueError("need val_fraction, test_fraction >= 0 with a sum below 1, got "
                          f"{val_fraction} and {test_fraction}")
-    num_val = int(round(val_fraction * num_items))
-    num_test = int(round(test_fraction * num_items))
+    num_val = round(val_fraction * num_items)
+    num_test = round(test_fraction * num_items)
     indices = torch.arange(num_items)
     if labels is None:
         order = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed))

@@ -42,8 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_stale.delays.models import (DelayModel, Exponential, Pareto, ShiftedExponential,
-                                           SlowLearners)
+from lightning_stale.delays.models import DelayModel, Exponential, Pareto, ShiftedExponential, SlowLearners
 from lightning_stale.delays.traces import Trace
 
 FAMILIES = ("exponential", "shifted_exponential", "pareto")

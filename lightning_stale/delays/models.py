@@ -118,7 +118,7 @@ class Constant(DelayModel):
 class _Stream:
     """One learner's generator and its current block of pre-drawn delays."""
 
-    __slots__ = ("rng", "block", "position")
+    __slots__ = ("block", "position", "rng")
 
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng

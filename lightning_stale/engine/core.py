@@ -28,8 +28,8 @@ so do the update records and ``mean_update_interval_s``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from torch import Tensor
 

@@ -9,7 +9,8 @@ logged metrics (per update: the latest values reported; per epoch: those of the 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch.optim import Optimizer
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn

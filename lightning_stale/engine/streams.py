@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Hashable, Iterator
+from collections.abc import Hashable, Iterator
 
 import torch
 from torch import Tensor
-
 
 STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp, kStreamsPerPool
 # The level after the default's: NCCL's groups use the default level (0) or, asking for high

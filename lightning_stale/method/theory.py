@@ -19,8 +19,8 @@ import numpy as np
 
 from lightning_stale.delays import Exponential, ShiftedExponential
 from lightning_stale.method.rules import ServerRules
-from lightning_stale.method.virtual_clock import VirtualCluster
 from lightning_stale.method.variants import Variant
+from lightning_stale.method.virtual_clock import VirtualCluster
 
 METHODS = ("auto", "closed_form", "monte_carlo")
 

@@ -7,12 +7,12 @@ from lightning_stale.models.nets import MLP, LeNet, LinearRegression, LogisticRe
 from lightning_stale.models.resnet import ResNet
 
 __all__ = [
+    "MLP",
     "Classifier",
     "LeNet",
     "LeastSquares",
     "LinearRegression",
     "LogisticRegression",
-    "MLP",
     "ResNet",
     "build_net",
     "make_optimizer",

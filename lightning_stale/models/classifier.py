@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import torch
 from pytorch_lightning import LightningModule
@@ -14,7 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 NetFactory = Callable[[tuple, int], nn.Module]
 
 
-def build_net(net: Union[nn.Module, NetFactory], input_shape: Sequence[int] | None,
+def build_net(net: nn.Module | NetFactory, input_shape: Sequence[int] | None,
               num_classes: int | None) -> nn.Module:
     """Return ``net`` itself if it is a module, else call it as ``net(input_shape, num_classes)``
     (a class, or the ``functools.partial`` Hydra makes from a ``_partial_: true`` config)."""
@@ -68,7 +68,7 @@ class Classifier(LightningModule):
     epoch, synchronised across processes. ``predict_step`` returns predicted class indices.
     """
 
-    def __init__(self, net: Union[nn.Module, NetFactory], lr: float = 0.1, optimizer: str = "sgd",
+    def __init__(self, net: nn.Module | NetFactory, lr: float = 0.1, optimizer: str = "sgd",
                  momentum: float = 0.0, weight_decay: float = 0.0, scheduler: str | None = None,
                  scheduler_interval: str = "step", step_size: int = 1000, gamma: float = 0.1,
                  schedule_length: int | None = None, input_shape: Sequence[int] | None = None,

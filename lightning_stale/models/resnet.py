@@ -3,7 +3,7 @@ CVPR 2016, Section 4.2): ResNet-8/-14/-20/... of depth 6n + 2."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

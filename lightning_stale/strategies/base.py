@@ -21,7 +21,8 @@ import contextlib
 import copy
 import math
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pytorch_lightning import Callback
 from pytorch_lightning.trainer.states import TrainerFn
@@ -32,8 +33,7 @@ from lightning_stale.engine.records import UpdateRecord
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES, Variant, check_k
-from lightning_stale.strategies.lightning_api import (run_closure, switch_off_scheduler_stepping,
-                                                     trace_path)
+from lightning_stale.strategies.lightning_api import run_closure, switch_off_scheduler_stepping, trace_path
 from lightning_stale.strategies.namespaces import namespace_of, new_instance
 from lightning_stale.strategies.progress import show_server_progress
 

@@ -21,7 +21,8 @@ the learners agree on it at the epoch's end (`agree_on_stop`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pytorch_lightning import Callback
 

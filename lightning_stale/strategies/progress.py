@@ -17,9 +17,11 @@ rank that hosts the server (progress bars draw on global rank 0 only):
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pytorch_lightning import Callback
+
 
 def show_server_progress(strategy: Any, trainer: Any, undo: list[Callable[[], Any]]) -> None:
     """Make ``trainer``'s progress bar show ``strategy.progress()`` until the callables that

@@ -4,7 +4,8 @@ and the Trainer options that epochs shaped by the server rule out."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import os
 import pickle
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from pytorch_lightning import LightningModule
@@ -85,13 +86,13 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     virtual_clock = True  # UpdateRecord.clock is virtual seconds since the start
     lightning_base = "SingleDeviceStrategy"
 
-    def __init__(self, variant: str = "k_async", k: Optional[int] = None,
-                 delay: Optional[DelayModel] = None, num_learners: int = 4,
+    def __init__(self, variant: str = "k_async", k: int | None = None,
+                 delay: DelayModel | None = None, num_learners: int = 4,
                  compute_time: float = 0.0,
-                 adaptive_k: Union[None, float, dict, AdaptiveK] = None,
-                 staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
-                 seed: int = 0, record_trace: Union[None, bool, str, os.PathLike] = None,
-                 device: Union[None, str, torch.device] = None, **kwargs: Any) -> None:
+                 adaptive_k: float | dict | AdaptiveK | None = None,
+                 staleness_compensation: str | dict | StalenessCompensation | None = None,
+                 seed: int = 0, record_trace: bool | str | os.PathLike | None = None,
+                 device: str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(device="cpu" if device is None else device, **kwargs)
         self._device_given = device is not None
         delay = NoDelay() if delay is None else delay

@@ -6,7 +6,7 @@ import logging
 import time
 from datetime import timedelta
 from functools import partial
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,18 @@ from typing_extensions import override
 from lightning_stale.delays.models import DelayModel
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import allocator
-from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 from lightning_stale.engine.distributed.channels import close_channels
-from lightning_stale.engine.distributed.ranks import (RankOptions, build_rank, channel_backend, check_path,
-                                                      levels_agree, overlap_wanted, overlaps, settle_path)
+from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
+from lightning_stale.engine.distributed.ranks import (
+    RankOptions,
+    build_rank,
+    channel_backend,
+    check_path,
+    levels_agree,
+    overlap_wanted,
+    overlaps,
+    settle_path,
+)
 from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
@@ -29,8 +37,12 @@ from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.checkpoints import ServerCheckpoint
 from lightning_stale.strategies.faults import FaultHandling, destroy_groups_at_exit, watched_launcher
-from lightning_stale.strategies.lightning_api import (hooks_after_backward, process_group_backend,
-                                                      replace_sigterm_broadcast, set_global_step)
+from lightning_stale.strategies.lightning_api import (
+    hooks_after_backward,
+    process_group_backend,
+    replace_sigterm_broadcast,
+    set_global_step,
+)
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.pace import OwnPaceCollectives
 from lightning_stale.strategies.sampling import IndependentBatchSampler, check_trainer_options, independent_sampler
@@ -150,14 +162,14 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     virtual_clock = False
     lightning_base = "DDPStrategy"
 
-    def __init__(self, variant: str = "k_async", k: Optional[int] = None,
-                 delay: Optional[DelayModel] = None, *, delay_mode: str = "after_compute",
-                 record_trace: Union[bool, str] = True,
-                 staleness_compensation: Union[None, str, dict, StalenessCompensation] = None,
-                 adaptive_k: Union[None, float, dict, AdaptiveK] = None, seed: int = 0,
+    def __init__(self, variant: str = "k_async", k: int | None = None,
+                 delay: DelayModel | None = None, *, delay_mode: str = "after_compute",
+                 record_trace: bool | str = True,
+                 staleness_compensation: str | dict | StalenessCompensation | None = None,
+                 adaptive_k: float | dict | AdaptiveK | None = None, seed: int = 0,
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
-                 overlap_allreduce: Optional[bool] = None, payload_channels: bool = False,
+                 overlap_allreduce: bool | None = None, payload_channels: bool = False,
                  **ddp_kwargs: Any) -> None:
         if delay_mode not in DELAY_MODES:
             raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
@@ -301,8 +313,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         # learner, one backward per push, no scaler to undo and no user hook that may change
         # gradients after backward: a round's gradient is then the one pushed.
         default_backend = dist.get_backend() if self.world_size > 1 else None
-        overlap = (overlap_wanted(self.overlap_allreduce, default_backend) and self.path == "collective" and overlaps(variant, self._adaptive)
-                   and trainer.accumulate_grad_batches == 1 and self.lightning_module.automatic_optimization
+        overlap = (overlap_wanted(self.overlap_allreduce, default_backend) and self.path == "collective"
+                   and overlaps(variant, self._adaptive) and trainer.accumulate_grad_batches == 1
+                   and self.lightning_module.automatic_optimization
                    and getattr(self.precision_plugin, "scaler", None) is None)
         hooks = hooks_after_backward(self.lightning_module, trainer.callbacks) if overlap else []
         if hooks and self.global_rank == 0:

@@ -4,11 +4,10 @@ Every push, answer and parameter snapshot of the central path is a fresh vector 
 size (of the sharded path, a slice of one), allocated while the previous ones are still alive
 (queued for a send, held by an update). glibc's malloc serves an allocation that large with
 ``mmap`` (always above 32 MB, its largest threshold) and trims the heap's free top back to the
-system, so such vectors keep arriving as fresh pages, each faulted in on first write: 3 to 4
-ms per 14 MB on the machine of the README's benchmarks, on the server thread and the receiving
-threads, beside the copy itself (0.6 ms). `hold_freed_memory` turns that off (``mallopt``: no ``mmap`` for blocks, no trimming),
-so freed vectors are reused in place; the README's "Where each path's time goes" has the
-measurement.
+system, so such vectors keep arriving as fresh pages, each faulted in on first write, on the
+server thread and the receiving threads: several times the cost of the copy itself.
+`hold_freed_memory` turns that off (``mallopt``: no ``mmap`` for blocks, no trimming), so freed
+vectors are reused in place; the path_breakdown benchmark page has the measurement.
 
 The cost: memory the process frees stays with it for reuse (its peak, not a leak). The setting
 stays for the process's life: glibc cannot say what its settings were, and setting its defaults
@@ -25,7 +24,7 @@ import ctypes.util
 import functools
 import logging
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 

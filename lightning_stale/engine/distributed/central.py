@@ -8,7 +8,7 @@ The collective and sharded paths offer the same two objects (`engine.distributed
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -27,7 +27,7 @@ On the CPU the channels are gloo groups carrying host tensors: the same code, wh
 from __future__ import annotations
 
 import datetime
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -26,7 +26,7 @@ the server's answer then only confirms the update the learners have already redu
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

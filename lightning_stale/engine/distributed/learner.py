@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

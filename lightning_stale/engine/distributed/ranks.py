@@ -28,8 +28,9 @@ import logging
 import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,17 +39,16 @@ from torch.optim import Optimizer
 
 from lightning_stale.engine import streams
 from lightning_stale.engine.core import ServerCore, ServerLimits
+from lightning_stale.engine.distributed.central import CentralExchange, CentralPayloads
 from lightning_stale.engine.distributed.channels import channel_pairs, open_channels
 from lightning_stale.engine.distributed.collective import CollectiveExchange, CollectivePayloads
+from lightning_stale.engine.distributed.lanes import open_lanes, slot_bytes_for
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.mesh import DataMesh
 from lightning_stale.engine.distributed.messages import INLINE_PAYLOAD_BYTES, Kind, Message
 from lightning_stale.engine.distributed.overlap import OverlappedAllReduce
-from lightning_stale.engine.distributed.central import CentralExchange, CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
-from lightning_stale.engine.distributed.sharded import (ShardedExchange, ShardedPayloads, ShardLayout,
-                                                        ShardOwner)
-from lightning_stale.engine.distributed.lanes import open_lanes, slot_bytes_for
+from lightning_stale.engine.distributed.sharded import ShardedExchange, ShardedPayloads, ShardLayout, ShardOwner
 from lightning_stale.engine.distributed.transport import LearnerEndpoint, ServerEndpoint
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, ServerState

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

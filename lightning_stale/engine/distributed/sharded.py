@@ -32,15 +32,15 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_stale.engine import streams
-from lightning_stale.engine.distributed.messages import Flag, Kind, Message, payload_text, text_payload
 from lightning_stale.engine.distributed.mesh import DataMesh
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message, payload_text, text_payload
 from lightning_stale.engine.state import ModelVectors, ServerState
 
 _WAIT_S = 0.1

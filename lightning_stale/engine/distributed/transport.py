@@ -22,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,22 @@ from torch import Tensor
 from lightning_stale.engine import streams
 from lightning_stale.engine.distributed.channels import Channel, carried
 from lightning_stale.engine.distributed.lanes import Lane, LaneClosed
-from lightning_stale.engine.distributed.messages import (HEADER_BYTES, IN_LANE, INLINE, INLINE_PAYLOAD_BYTES,
-                                                         ON_CHANNEL, OWNER_KINDS, SEPARATE, Kind, Message,
-                                                         TransportError, coalesce, decode_header,
-                                                         encode_header, payload_text)
+from lightning_stale.engine.distributed.messages import (
+    HEADER_BYTES,
+    IN_LANE,
+    INLINE,
+    INLINE_PAYLOAD_BYTES,
+    ON_CHANNEL,
+    OWNER_KINDS,
+    SEPARATE,
+    Kind,
+    Message,
+    TransportError,
+    coalesce,
+    decode_header,
+    encode_header,
+    payload_text,
+)
 
 UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and server->learner
 FRAME_BYTES = HEADER_BYTES + INLINE_PAYLOAD_BYTES
