@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
-from typing import Any
+from typing import Any, cast
 
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
@@ -261,6 +261,7 @@ def parse_contestant(spec: Any, engine: str, index: int) -> Contestant:
     """A contestant from ``"VARIANT[:K][@ENGINE]"`` or a mapping of `CONTESTANT_KEYS`;
     ``engine`` is the run's engine, the default. ``index`` (from 1) only names it in errors."""
     where = f"race.contestants[{index - 1}]"
+    fields: dict[Any, Any]
     if isinstance(spec, str):
         match = _CONTESTANT_PATTERN.match(spec)
         if match is None:
@@ -268,8 +269,9 @@ def parse_contestant(spec: Any, engine: str, index: int) -> Contestant:
                               "VARIANT@ENGINE or VARIANT:K@ENGINE, e.g. k_async:2 or sync@ddp")
         fields = {key: value for key, value in match.groupdict().items() if value is not None}
     elif isinstance(spec, (Mapping, DictConfig)):
-        fields = dict(OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
-                      else spec)
+        # A DictConfig's container is a dict: to_container's declared union covers ListConfigs.
+        fields = dict(cast(Mapping, OmegaConf.to_container(spec, resolve=True))
+                      if isinstance(spec, DictConfig) else spec)
         unknown = sorted(set(fields) - set(CONTESTANT_KEYS))
         if unknown:
             raise ConfigError(f"{where} has unknown keys {unknown}; a contestant takes "
@@ -304,7 +306,8 @@ def parse_contestant(spec: Any, engine: str, index: int) -> Contestant:
 
 def engine_config(name: str) -> DictConfig:
     """The ``engine`` node of ``conf/engine/<name>.yaml`` (a plain ``engine`` package)."""
-    return OmegaConf.load(str(files(CONF_PACKAGE).joinpath("engine", f"{name}.yaml")))
+    node = OmegaConf.load(str(files(CONF_PACKAGE).joinpath("engine").joinpath(f"{name}.yaml")))
+    return cast(DictConfig, node)  # every conf/engine/*.yaml is a mapping
 
 
 def contestant_configs(cfg: DictConfig) -> list[tuple[Contestant, DictConfig]]:

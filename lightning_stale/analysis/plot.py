@@ -322,9 +322,9 @@ def make_figures(runs: list[Run], out_dir: str | Path, *, smooth: int = 20,
          tradeoff_rows(runs, tail_fraction, tolerance)),
     ]
     times = theory_rows(runs, theory_updates)
-    if times:
-        jobs.append(("theory_vs_measurement", plot_theory(runs, rows=times),
-                     "theory_vs_measurement", times))
+    theory = plot_theory(runs, rows=times) if times else None
+    if theory is not None:
+        jobs.append(("theory_vs_measurement", theory, "theory_vs_measurement", times))
     floor = plot_error_floor(runs, floor_tail_fraction)
     if floor is not None:
         jobs.append(("error_floor", floor, "error_floor", floor_rows(runs, floor_tail_fraction)))

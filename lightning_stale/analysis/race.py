@@ -108,18 +108,19 @@ def race_rows(runs: Sequence[Run], target: float, window: int,
     """One row per contestant, in race order; ``extras[i]`` adds columns to row i."""
     models = {delay_model_text(run.config.get("delay")) for run in runs}
     time_key = f"time to loss {target:.3g} (s)"
-    rows = []
+    rows: list[dict[str, Any]] = []
     for index, run in enumerate(runs):
         seconds, update = time_to_loss(run.times, run.losses, target, window)
         injected = delay_injection(run)
         if len(models) > 1:  # else the model is stated once, above the table
             injected = f"{delay_model_text(run.config.get('delay'))}, {injected}"
-        row = {"contestant": run.label, "engine": run.engine, "delay injected": injected,
-               "K of P": f"{run.k} of {run.p}", "updates": len(run.losses),
-               time_key: seconds, "update at target": update if update is not None else "",
-               "speed-up over row 1": math.nan, "mean staleness": mean_staleness(run),
-               "final loss": final_loss(run.losses, window),
-               "train time (s)": float(np.nanmax(run.times)) if len(run.times) else math.nan}
+        row: dict[str, Any] = {
+            "contestant": run.label, "engine": run.engine, "delay injected": injected,
+            "K of P": f"{run.k} of {run.p}", "updates": len(run.losses),
+            time_key: seconds, "update at target": update if update is not None else "",
+            "speed-up over row 1": math.nan, "mean staleness": mean_staleness(run),
+            "final loss": final_loss(run.losses, window),
+            "train time (s)": float(np.nanmax(run.times)) if len(run.times) else math.nan}
         row.update(extras[index] if index < len(extras) else {})
         rows.append(row)
     first = rows[0][time_key] if rows else math.nan
@@ -137,7 +138,7 @@ def plot_race(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], target: fl
     time_key = next(key for key in rows[0] if key.startswith("time to loss"))
     curves = list(axes.get_lines())  # one per run, in order, before anything else is drawn
     axes.axhline(target, color="gray", ls=":", lw=1, label=f"target loss {target:.3g}")
-    arrival = f"reaches the target (mean of the last {window} updates)"
+    arrival: str | None = f"reaches the target (mean of the last {window} updates)"
     for run, row, line in zip(runs, rows, curves):
         if run.engine == "ddp":
             line.set_linestyle("--")

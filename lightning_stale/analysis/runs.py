@@ -146,7 +146,10 @@ def load_run(run_dir: str | Path) -> Run:
                                 "<logger>/version_N/wallclock.csv (logger=none writes no logs)")
     columns = _read_columns(wallclock)
     metrics = wallclock.with_name("metrics.csv")
-    run = Run(path=run_dir, config=OmegaConf.load(config_file),
+    config = OmegaConf.load(config_file)
+    if not isinstance(config, DictConfig):
+        raise ValueError(f"{config_file} holds a list, not a run's config (a mapping)")
+    run = Run(path=run_dir, config=config,
               updates=_floats(columns["update"]), times=_floats(columns["time/train_s"]),
               losses=_floats(columns["train/loss"]), ks=_floats(columns["k"]))
     if metrics.is_file():

@@ -26,13 +26,14 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from pytorch_lightning import Callback, Trainer, seed_everything
+from pytorch_lightning.strategies import Strategy
 
 from lightning_stale.analysis.runs import error_at_convergence
 from lightning_stale.method.variants import VARIANT_NAMES, Variant
@@ -174,7 +175,9 @@ class Sweep:
                                               delay=copy.deepcopy(self.delay),
                                               num_learners=self.p, adaptive_k=adaptive_k,
                                               seed=int(self.config.seed))
-            trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=-1,
+            # The public class builds a subclass of the calling namespace's Strategy when
+            # instantiated (strategies.namespaces), which a checker cannot see on the mixin.
+            trainer = Trainer(strategy=cast(Strategy, strategy), accelerator="cpu", devices=1, max_epochs=-1,
                               max_steps=self.max_updates, logger=False,
                               enable_checkpointing=False, enable_progress_bar=False,
                               enable_model_summary=False, num_sanity_val_steps=0,

@@ -60,6 +60,9 @@ class InMemoryDataModule(LightningDataModule):
             self.train_set, self.val_set, self.test_set = self._build_splits()
 
     def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}._build_splits returned None for a split; "
+                               "it must return three datasets (train, val, test)")
         # A seeded generator makes the order of training batches reproducible per seed.
         generator = torch.Generator().manual_seed(self.seed) if train else None
         return DataLoader(

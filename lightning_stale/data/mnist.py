@@ -15,8 +15,10 @@ MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
 
 # IDX element type codes (third byte of the magic number), from the format's description at
 # http://yann.lecun.com/exdb/mnist/ ; MNIST itself only uses 0x08 (unsigned byte).
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_DTYPES: dict[int, np.dtype] = {
+    0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8"),
+}
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -29,7 +31,7 @@ def read_idx(path: Path) -> np.ndarray:
         raise ValueError(f"{path} is not an IDX file (bad magic number {raw[:4].hex()})")
     ndim = raw[3]
     shape = tuple(int(size) for size in np.frombuffer(raw, dtype=">i4", count=ndim, offset=4))
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    dtype = _IDX_DTYPES[raw[2]]
     offset = 4 + 4 * ndim
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(raw) - offset != expected:

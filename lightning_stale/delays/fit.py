@@ -152,8 +152,8 @@ def fit(trace: Trace | str | os.PathLike | Mapping[int, Sequence[float]], *,
     if np.ptp(pooled) == 0:
         raise ValueError(f"{source}: all {len(pooled)} values of {column} equal {pooled[0]}: "
                          "there is no straggling to fit; use Constant(value)")
-    candidates = [_fit_family(name, pooled, seed) for name in families]
-    candidates = [c for c in candidates if c is not None]
+    fitted = [_fit_family(name, pooled, seed) for name in families]
+    candidates = [c for c in fitted if c is not None]
     slow, p_values = _slow_learners(records, slow_alpha, min_slow_factor)
     if slow:
         rest = np.concatenate([records[l] for l in sorted(records) if l not in slow])
@@ -223,6 +223,7 @@ def _frozen(model: DelayModel):
 def _fit_family(name: str, x: np.ndarray, seed: int) -> Candidate | None:
     from scipy import stats
 
+    model: DelayModel
     if name == "exponential":
         _, scale = stats.expon.fit(x, floc=0.0)
         model, k = Exponential(mean=scale, seed=seed), 1

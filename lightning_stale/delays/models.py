@@ -129,6 +129,8 @@ class _Stream:
 class _RandomDelay(DelayModel):
     """Per-learner streams seeded with [seed, learner]; subclasses implement `_draw`."""
 
+    seed: int
+
     def __init__(self, seed: int) -> None:
         self.seed = _check_seed(seed)
         self._streams: dict[int, _Stream] = {}
@@ -251,7 +253,7 @@ class SlowLearners(DelayModel):
         self.factor = _check_positive("SlowLearners factor", factor)
 
     @property
-    def seed(self) -> int | None:
+    def seed(self) -> int | None:  # type: ignore[override]  # read-only: the base model owns it
         return self.base.seed
 
     def sample(self, learner: int) -> float:

@@ -239,7 +239,7 @@ class RecordingDelay(DelayModel):
         self.recorder = recorder if recorder is not None else TraceRecorder()
 
     @property
-    def seed(self) -> int | None:
+    def seed(self) -> int | None:  # type: ignore[override]  # read-only: the wrapped model owns it
         return self.model.seed
 
     def sample(self, learner: int) -> float:
@@ -281,6 +281,7 @@ class Empirical(DelayModel):
     """
 
     _fields = ("path", "column", "per_learner", "seed", "discard_first")
+    seed: int
 
     def __init__(self, path: str | os.PathLike | Trace, column: str = "delay_s",
                  per_learner: bool = False, seed: int = 0, discard_first: int = 0) -> None:

@@ -119,6 +119,7 @@ class StalenessCompensation:
         if current_params is None or params_at is None or lr is None:
             raise ValueError("staleness compensation 'norm' needs the current parameters, the "
                              "parameters at each gradient's version and the learning rate")
+        assert self.c is not None  # the constructor requires c for "norm"
         lookup = params_at.__getitem__ if isinstance(params_at, Mapping) else params_at
         eta_max = lr if self.eta_max is None else self.eta_max
         weights = []

@@ -185,7 +185,7 @@ class ServerRules:
             return self._update(push)
         if self.variant.pusher_waits:
             return Decision(push, accepted=True, version=self.version)
-        return Decision(push, accepted=True, version=self.version, **self._answer_batch_pusher(learner))
+        return self._answer_batch_pusher(push)
 
     def remove_learner(self, learner: int) -> Decision:
         """Learner ``learner`` died. It gets nothing more; its accepted gradients still count.
@@ -235,14 +235,14 @@ class ServerRules:
         self.version += 1
         self._updates_at_version.append(self.counts.updates)
 
-    def _answer_batch_pusher(self, learner: int) -> dict[str, tuple[int, ...]]:
+    def _answer_batch_pusher(self, push: Push) -> Decision:
         """A batch-mode pusher goes on at once: with the current parameters if newer than its
         own (K-batch-async pulls w), else with what it holds (K-batch-sync keeps w_j)."""
-        state = self._learners[learner]
+        state = self._learners[push.learner]
         if state.version < self.version:
             state.version = self.version
-            return {"refresh": (learner,)}
-        return {"resume": (learner,)}
+            return Decision(push, accepted=True, version=self.version, refresh=(push.learner,))
+        return Decision(push, accepted=True, version=self.version, resume=(push.learner,))
 
     def _update(self, pusher: Push | None) -> Decision:
         """Apply the pending gradients; ``pusher`` is the push that completed them (None when a

@@ -121,9 +121,9 @@ class Classifier(LightningModule):
 
     def _schedule_length(self) -> int:
         hp = self.hparams
-        if hp.schedule_length is not None:
-            return int(hp.schedule_length)
-        if hp.scheduler_interval == "step":
+        if hp["schedule_length"] is not None:
+            return int(hp["schedule_length"])
+        if hp["scheduler_interval"] == "step":
             length = self.trainer.estimated_stepping_batches
         else:
             length = self.trainer.max_epochs if self.trainer.max_epochs not in (None, -1) else math.inf
@@ -134,15 +134,15 @@ class Classifier(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.momentum,
-                                   hp.weight_decay)
-        if hp.scheduler is None:
+        optimizer = make_optimizer(hp["optimizer"], self.parameters(), hp["lr"], hp["momentum"],
+                                   hp["weight_decay"])
+        if hp["scheduler"] is None:
             return optimizer
-        if hp.scheduler == "cosine":
+        if hp["scheduler"] == "cosine":
             scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
                 optimizer, T_max=self._schedule_length())
         else:
             scheduler = torch.optim.lr_scheduler.StepLR(
-                optimizer, step_size=hp.step_size, gamma=hp.gamma)
+                optimizer, step_size=hp["step_size"], gamma=hp["gamma"])
         return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "interval": hp.scheduler_interval}}
+                "lr_scheduler": {"scheduler": scheduler, "interval": hp["scheduler_interval"]}}

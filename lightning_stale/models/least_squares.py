@@ -68,7 +68,7 @@ class LeastSquares(LightningModule):
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         residual = self(x) - y
         weight = self.net.linear.weight
-        return 0.5 * residual.pow(2).mean() + 0.5 * self.hparams.l2 * weight.pow(2).sum()
+        return 0.5 * residual.pow(2).mean() + 0.5 * self.hparams["l2"] * weight.pow(2).sum()
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -95,4 +95,4 @@ class LeastSquares(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        return make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.momentum)
+        return make_optimizer(hp["optimizer"], self.parameters(), hp["lr"], hp["momentum"])
