@@ -13,7 +13,7 @@ as "average the K gradients, then one step of the module's own optimizer". A par
 gradient of the update touched keeps ``grad = None``, so the optimizer leaves it alone exactly as
 under DDP (frozen layers, an unused head under weight decay). Buffers are the mean of the
 buffers pushed with the update's gradients (integer buffers: the largest), the server's choice
-documented in the README: every learner's statistics count, and learners that load the server's
+documented in docs/concepts/server.md: every learner's statistics count, and learners that load the server's
 parameters load its buffers too.
 """
 

@@ -73,16 +73,6 @@ def carried(channels: dict[tuple[int, int], Channel]) -> int:
     return sum(channel.carried for channel in channels.values())
 
 
-def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
-    """The (sender, receiver) directions a path's payloads take: the central path's between
-    every learner and rank 0, the sharded path's between every two ranks."""
-    if path == "central":
-        return [pair for learner in range(1, p) for pair in ((learner, 0), (0, learner))]
-    if path == "sharded":
-        return [(a, b) for a in range(p) for b in range(p) if a != b]
-    return []
-
-
 def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, device: torch.device,
                   timeout: datetime.timedelta, first_numel: int = 1,
                   setup_timeout: datetime.timedelta | None = None) -> dict[tuple[int, int], Channel]:

@@ -6,8 +6,8 @@ it was computed at, and blocks until the server answers (new parameters, or leav
 message that arrives before the push changes the plan: new parameters cancel the work (sync
 family), the stop ends it, and an epoch's end pauses it.
 
-An epoch's end is a pause of the whole process (docs/method.md, "Setting"; the rule is stated in
-the README): the mini-batch in flight (computed, or in its delay, or waiting for its answer) is
+An epoch's end is a pause of the whole process (docs/method.md, "Setting"; docs/concepts/server.md
+states the rule): the mini-batch in flight (computed, or in its delay, or waiting for its answer) is
 carried into the next epoch and finished first (`resume`); a mini-batch that Lightning starts
 after the epoch ended (its loader had already fetched it) is discarded and counted; the pause is
 excluded from every clock. Validation runs on the server's parameters (`enter_validation`),
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from lightning_stale.engine import streams
-from lightning_stale.engine.distributed.central import CentralExchange
 from lightning_stale.engine.distributed.clocks import POLL_S, MiniBatchClock, Silence
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
+from lightning_stale.engine.distributed.paths.base import LearnerSide
 from lightning_stale.engine.distributed.transport import LearnerEndpoint
 from lightning_stale.engine.state import ModelVectors
 
@@ -83,8 +83,8 @@ class Learner:
     """Args:
         endpoint: this rank's transport.
         vectors: the module's parameters and buffers as flat vectors.
-        exchange: how gradients leave and parameters arrive (`CentralExchange` by default; the
-            all-reduce of `engine.distributed.collective` for the sync family at scale).
+        exchange: how gradients leave and parameters arrive: the path's learner side
+            (`paths.base.LearnerSide`).
         delay: a straggler model (``sample(rank)``), or None.
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
@@ -97,12 +97,11 @@ class Learner:
     """
 
     def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
-                 exchange=None, waits_for_answer: bool = True, delay_is_total: bool = False,
+                 exchange: LearnerSide, waits_for_answer: bool = True, delay_is_total: bool = False,
                  server_error: Callable[[], str | None] = lambda: None,
                  server_timeout: float = 30.0, roll_call: bool = False) -> None:
         self.endpoint, self.vectors, self.delay = endpoint, vectors, delay
-        self.exchange = (CentralExchange(vectors, getattr(endpoint, "push_buffer", None))
-                         if exchange is None else exchange)
+        self.exchange = exchange
         self.waits_for_answer = waits_for_answer
         self.clock = MiniBatchClock(delay_is_total)
         self.rank = endpoint.rank

@@ -47,7 +47,7 @@ class ParameterServer:
 
     Args:
         core: the decisions, state and books; its clock is ``time.monotonic()``.
-        payloads: what pushes and answers carry (`CentralPayloads`, or the collective path's).
+        payloads: what pushes and answers carry: the path's server side (`paths.base.ServerSide`).
         on_learner_failure: "stop" (a learner that dies ends the run) or "continue".
         heartbeat_s: a learner that heard nothing for this long gets a heartbeat.
     """

@@ -20,7 +20,7 @@ backward pass (a real straggler) holds the update until that pass ends, and its 
 discarded as cancelled. The central server (``server="central"``) never waits for it.
 
 Where every update takes one gradient from every learner (Fully sync, K-sync with K = P), the
-all-reduce starts during backward instead, in buckets, as DDP's does (`engine.distributed.overlap`):
+all-reduce starts during backward instead, in buckets, as DDP's does (`collective.overlap`):
 the server's answer then only confirms the update the learners have already reduced.
 """
 
@@ -34,7 +34,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
-from lightning_stale.engine.distributed.overlap import OverlappedAllReduce
+from lightning_stale.engine.distributed.paths.base import LearnerSide, ServerSide
+from lightning_stale.engine.distributed.paths.collective.overlap import OverlappedAllReduce
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, load_gradients
 from lightning_stale.method.rules import Update
@@ -51,18 +52,22 @@ def update_payload(update: Update, p: int, overlap_next: bool = False) -> Tensor
     return payload
 
 
-class CollectivePayloads:
-    """The server's side of the collective path (hooks as `central.CentralPayloads`): pushes are
+class CollectivePayloads(ServerSide):
+    """The server's side of the collective path: pushes are
     headers, and a refresh (every learner, at every update of the sync family) carries
     `update_payload`; nothing else carries parameters, since every learner holds them.
 
     ``overlap``: the learners overlap their all-reduce with backward where the next update is
-    sure to take one gradient from each of them (`engine.distributed.overlap`)."""
+    sure to take one gradient from each of them (`collective.overlap`)."""
 
     def __init__(self, overlap: bool = False) -> None:
         self.overlap = overlap
 
+    def attach(self, endpoint) -> None:
+        """Nothing to send besides the server's messages."""
+
     def contribution(self, message: Message) -> None:
+        """Nothing: the gradient stays with its learner until the update's all-reduce."""
         return None
 
     def fill(self, message: Message, core, decision) -> None:
@@ -82,7 +87,7 @@ class CollectivePayloads:
         pass
 
 
-class CollectiveExchange:
+class CollectiveExchange(LearnerSide):
     """A learner's side of the collective path (see the module docstring).
 
     Args:
@@ -148,6 +153,7 @@ class CollectiveExchange:
             message.payload = self._pack()
 
     def before_push(self, message: Message) -> None:
+        """Only the header travels; a gradient packed when the push was carried is kept here."""
         self._carried, message.payload = message.payload, None  # only the header travels
 
     def after_push(self, message: Message) -> None:

@@ -1,13 +1,12 @@
 """The sync family's all-reduce started during backward, in buckets, as DDP does it.
 
-On the collective path (`engine.distributed.collective`) a learner reduces its gradient only
+On the collective path (`collective.sides`) a learner reduces its gradient only
 once the server has named the gradients an update takes. Where the update is known in advance,
 that wait costs the whole all-reduce on top of the backward pass: in Fully sync and in K-sync
 with K = P (docs/method.md, "The six variants") every update takes exactly one gradient from
 every learner, the one each computed on the parameters of the update before. So there, as in
 DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", VLDB 2020; the README, "How the parameter server runs", the collective path, and
-its measurements under "Scaling"), each parameter's gradient is copied, weighted 1/P, into a
+Training", VLDB 2020; measured on docs/benchmarks/scaling.md), each parameter's gradient is copied, weighted 1/P, into a
 bucket of a flat vector as soon as backward has produced it, and a bucket goes round the
 all-reduce as soon as it is full, while backward goes on with the layers below. The buffers
 and the presence mask (which parameters had a gradient) follow in a last part when backward
