@@ -10,6 +10,13 @@ class RunEnding:
     """Mixin for `StaleStrategy` (which sets ``_learner``, ``_server``, ``_side``,
     ``_checkpoint``, ``_channels``, ``path`` and ``shutdown_timeout``)."""
 
+    _learner: Learner | None
+
+    def on_train_end(self) -> None:
+        self._step_last_epoch_schedulers()
+        self._shut_down()
+        super().on_train_end()  # (Lightning's, joined at import: `strategies.namespaces`)
+
     def _step_last_epoch_schedulers(self) -> None:
         """Lightning steps the epoch-interval schedulers after every epoch's validation, the
         last epoch's too; the server steps them when the next epoch begins, so when the fit

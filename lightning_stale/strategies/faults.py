@@ -251,6 +251,7 @@ class FaultHandling:
 
     _trap: SignalTrap | None = None
     _watchdog: Watchdog | None = None
+    lost_learner: bool  # (`OwnPaceCollectives`')
     _failure_raised = False  # this process's training thread raised the run's failure
 
     def watch(self, learner: Learner) -> Callable[[], None]:

@@ -153,8 +153,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
                       server_timeout=server_timeout, shutdown_timeout=shutdown_timeout, ddp_kwargs=ddp_kwargs)
         super().__init__(**ddp_kwargs)
-        self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
-                                  record_trace, seed)
+        self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation, record_trace, seed)
         check_path(server, variant, on_learner_failure, self.staleness_compensation)
         self.server = server
         self.delay_mode, self.on_learner_failure = delay_mode, on_learner_failure
@@ -170,9 +169,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         self._side: LearnerSide | None = None  # this rank's learner side (its stats outlive the learner)
         self._checkpoint: CheckpointPart | None = None  # on rank 0, the path's part of a checkpoint
         self._samplers: list[IndependentBatchSampler] = []
-        self._pushes_per_epoch = 0
-        self._batch_samples = 0
-        self._batch_started = 0.0
+        self._pushes_per_epoch, self._batch_samples, self._batch_started = 0, 0, 0.0
         self._buffers_at_start: list[torch.Tensor] = []  # the module's, before this push's forwards
         self._epoch = 0
         self.minibatch_times: list[float] = []  # each push's X as the server saw it (NaN: none)
@@ -180,6 +177,11 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
     @property
     def num_learners(self) -> int:
         return self.num_nodes * self.num_processes
+
+    @property
+    def _fitting(self) -> Learner:
+        assert self._learner is not None, "a learner runs from on_train_start to on_train_end"
+        return self._learner
 
     @property
     @override
@@ -201,7 +203,8 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                              "every update would wait for the dead learner")
         super()._configure_launcher()
         self._launcher = watched_launcher(
-            self._launcher, tolerate=lambda: self.on_learner_failure == "continue" and self._server is not None)
+            self._launcher,  # type: ignore[has-type]  # Lightning's, set just above: not visible to a mixin
+            tolerate=lambda: self.on_learner_failure == "continue" and self._server is not None)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -286,9 +289,9 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             log.warning(UNVERIFIED, "payload_channels=True (NCCL point-to-point groups for payloads)")
         options = RankOptions(path=self.path, delay=self.delay, delay_is_total=self.delay_mode == "total",
                               on_learner_failure=self.on_learner_failure, server_timeout=self.server_timeout,
-                              compensation=self.staleness_compensation, adaptive=self._adaptive,
-                              shared_memory=self.shared_memory, overlap=overlap,
-                              shutdown_timeout=self.shutdown_timeout, channels=self._channels, timeout=self._timeout)
+                              compensation=self.staleness_compensation, adaptive=self._adaptive, overlap=overlap,
+                              shared_memory=self.shared_memory, shutdown_timeout=self.shutdown_timeout,
+                              channels=self._channels, timeout=self._timeout)
         learner, self._server, self._channel_ends = build_rank(
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
@@ -317,14 +320,14 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if self._server is not None:
                 self._server.resume(metrics)
-            schedules = self._learner.exchange.schedules  # stepped here where learners apply updates
+            schedules = self._fitting.exchange.schedules  # stepped here where learners apply updates
             if schedules is not None:
                 schedules.end_epoch(self._epoch - 1, metrics)
-            self.guarded(self._learner.resume)
+            self.guarded(self._fitting.resume)
         if first_micro_batch:
             self._batch_started = time.monotonic()
             with torch.no_grad():  # (into the storage allocated with the learner)
-                for saved, buffer in zip(self._buffers_at_start, self._learner.vectors.buffers):
+                for saved, buffer in zip(self._buffers_at_start, self._fitting.vectors.buffers):
                     saved.copy_(buffer)
 
     @override
@@ -337,10 +340,9 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         # A push; the learner's own optimizer never steps: the server's does.
         model = model if model is not None else self.lightning_module
         loss, overflow = self.compute_gradient(model, optimizer, closure)
-        trainer = self.lightning_module.trainer
+        trainer, learner = self.lightning_module.trainer, self._fitting
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-            learner = self._learner
             discarded, version = learner.cancelled, learner.version
             self.guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
@@ -350,11 +352,11 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                 with torch.no_grad():
                     for buffer, saved in zip(learner.vectors.buffers, self._buffers_at_start):
                         buffer.copy_(saved)
-            self.minibatch_times.append(self._learner.last_x)  # X, for MiniBatchTimer
+            self.minibatch_times.append(learner.last_x)  # X, for MiniBatchTimer
         self._batch_samples = 0
         self.note_dead_learners(trainer)  # before Lightning decides to validate
-        set_global_step(trainer, max(self._learner.version, 0))
-        if self._learner.stopped:
+        set_global_step(trainer, max(learner.version, 0))
+        if learner.stopped:
             trainer.should_stop = True
         self._report_metrics(trainer)
         return loss
@@ -364,17 +366,11 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         if not any(c.reduce_on_plateau and c.interval == "step" for c in self._schedulers):
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        schedules = self._learner.exchange.schedules
+        schedules = self._fitting.exchange.schedules
         if schedules is not None:  # collective: every learner steps its own
             schedules.metrics.update(metrics)
         elif self._server is not None:
             self._server.report_metrics(metrics)
-
-    @override
-    def on_train_end(self) -> None:
-        self._step_last_epoch_schedulers()
-        self._shut_down()
-        super().on_train_end()
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -425,7 +421,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                     self._collect_stats(unannounced=learner)
                 except Exception as exc:  # noqa: BLE001 - the original error matters more
                     log.warning("StaleStrategy: could not write the trace of the failed run: %s", exc)
-            if failed:
+            if failed and learner is not None:  # (the same learner: it never left)
                 self.overlapped_updates = learner.exchange.overlapped_updates  # (so far)
                 self.leave_failed_run(learner)
             if self._server_group is not None and not failed:

@@ -46,7 +46,7 @@ class Channel:
         self.stream = streams.side_stream(device, ("channel", src, dst))
         self.carried = 0  # payloads sent or received on it (by this rank)
 
-    def send(self, payload: Tensor, ready) -> None:
+    def send(self, payload: Tensor, ready: torch.cuda.Event | None) -> None:
         with streams.on(self.stream):  # (the device first: a sending thread starts on GPU 0)
             if ready is not None:
                 ready.synchronize()  # complete before it is posted: see the module docstring
@@ -59,7 +59,7 @@ class Channel:
         streams.hold(payload, self.stream)
         self.carried += 1
 
-    def recv(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, object]:
+    def recv(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, torch.cuda.Event | None]:
         """The next payload, and the event after which it is there (None off CUDA)."""
         with streams.on(self.stream):
             payload = torch.empty(numel, dtype=dtype, device=self.device)
@@ -136,7 +136,7 @@ def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tupl
             # Bounded by the strategy's timeout (a peer that died in set-up; the groups' own is
             # long: `ranks.CHANNEL_TIMEOUT`), on NCCL by waiting on the host, which an explicit
             # timeout asks for.
-            if not work.wait(limit):
+            if work is None or not work.wait(limit):
                 raise TimeoutError(f"rank {rank}: the device channel {src} -> {dst} was not set up "
                                    f"within {limit}")
     if device.type == "cuda":

@@ -115,10 +115,10 @@ def encode(message: Message, lane: Lane | None = None,
     frame = torch.empty(HEADER_BYTES + (nbytes if where == INLINE else 0), dtype=torch.uint8)
     frame[:HEADER_BYTES] = torch.frombuffer(bytearray(encode_header(message, payload, where)),
                                             dtype=torch.uint8)
-    if where == INLINE:
+    if where == INLINE and payload is not None:
         frame[HEADER_BYTES:].view(payload.dtype).copy_(payload)
         return frame, None
-    if where == IN_LANE:
+    if where == IN_LANE and lane is not None and payload is not None:
         lane.write(payload, closed)
         return frame, None
     return frame, payload

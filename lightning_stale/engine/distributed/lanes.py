@@ -278,8 +278,8 @@ def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
     if rank == 0:
         for peer, data in enumerate(offers):
             raw = bytes(data.tolist())
-            peer_token, name = int.from_bytes(raw[:8], "little"), raw[8:].rstrip(b"\0").decode(errors="replace")
-            found = LaneFile.open(name, peer_token, slot_bytes) if peer_token else None
+            peer_token, path = int.from_bytes(raw[:8], "little"), raw[8:].rstrip(b"\0").decode(errors="replace")
+            found = LaneFile.open(path, peer_token, slot_bytes) if peer_token else None
             if found is not None:
                 mapped[peer] = found
     has = torch.tensor([peer in mapped for peer in range(len(offers))], dtype=torch.uint8)

@@ -211,8 +211,7 @@ class Learner:
         self.clock.restart()
 
     def stop_heard(self) -> bool:
-        """Whether the server's STOP has reached this learner, taken or not; messages looked at
-        stay queued, in order, for `resume` or `close` (a failure raises at once)."""
+        """Whether the server's STOP has come, taken or not (what came waits, in order)."""
         self._set_aside(self._drain())
         return self._stop_waits()
 
@@ -274,7 +273,7 @@ class Learner:
         if self.stopped:
             self.cancelled += 1
             return True
-        if self.paused:
+        if self.paused_at is not None:  # (paused)
             if self.carried is None and started_at < self.paused_at:
                 self._carry(Carried(push))  # in flight when the epoch ended
             else:
@@ -321,12 +320,14 @@ class Learner:
             if events.paused:
                 self._carry(work)
                 return True
+        push = work.push
+        assert push is not None, "the work's push is still to leave"
         self.pushes += 1
         self.last_x = self.clock.elapsed()
-        self.exchange.before_push(work.push)
+        self.exchange.before_push(push)
         self.clock.pushed()
-        self._send(work.push)
-        self.exchange.after_push(work.push)
+        self._send(push)
+        self.exchange.after_push(push)
         if not self.waits_for_answer:
             return False
         self._to(Phase.PUSHED)

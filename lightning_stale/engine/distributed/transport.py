@@ -86,7 +86,7 @@ class ServerEndpoint:
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
         self._last_sent = {r: time.monotonic() for r in range(num_learners)}
         # (a sender marks each message done once sent: `place_for` reads what is left to send)
-        self._outboxes = {r: queue.Queue() for r in range(1, num_learners)}
+        self._outboxes: dict[int, queue.Queue[Message | None]] = {r: queue.Queue() for r in range(1, num_learners)}
         self._closed: set[int] = set()  # learners that left, died or were told to stop
         self._threads = []
         for r in self._outboxes:
@@ -110,7 +110,9 @@ class ServerEndpoint:
         if learner == 0:
             self._stamp(0, message)
             message.received_at = time.monotonic()
-            (self.local_owner if message.kind in OWNER_KINDS else self.local_inbox).put(message)
+            to = self.local_owner if message.kind in OWNER_KINDS else self.local_inbox
+            assert to is not None, "orders go only to a rank with a shard owner"
+            to.put(message)
         else:
             self._outboxes[learner].put(message)
 
@@ -200,7 +202,7 @@ class ServerEndpoint:
                     pending.append(outbox.get_nowait())
                 if None in pending:  # forgotten
                     return
-                for message in coalesce(pending):
+                for message in coalesce([m for m in pending if m is not None]):
                     self._stamp(learner, message)
                     send(message, learner, self.group, (DOWN, DOWN_DATA), lane, closed, channel)
                     if message.kind in _LAST:
@@ -308,7 +310,9 @@ class LearnerEndpoint:
                     self.server_aborted = True
                 elif message.kind == Kind.INTERRUPT:
                     message.error = self.interrupted = payload_text(message.payload)
-                (self.owner if message.kind in OWNER_KINDS else self.inbox).put(message)
+                to = self.owner if message.kind in OWNER_KINDS else self.inbox
+                assert to is not None, "orders come only to a rank with a shard owner"
+                to.put(message)
                 if message.kind in _LAST:
                     return
         except Exception as exc:  # noqa: BLE001 - surfaces in the learner's next wait

@@ -100,6 +100,7 @@ class CentralPayloads(ServerSide):
             self.place_for = endpoint.place_for
 
     def contribution(self, message: Message) -> Contribution:
+        assert message.payload is not None, "a usable push carries its gradient"
         streams.receive(message.payload, message.ready)  # rank 0's push, on a GPU
         return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
 
@@ -107,6 +108,7 @@ class CentralPayloads(ServerSide):
         if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
             return
         state, version = core.state, core.version
+        assert state is not None, "the central server holds the model"
         if message.learner in self.on_device:  # never through the host
             message.payload = state.snapshot(version, state.vectors.device)
             message.ready = streams.mark(message.payload)  # made on the server's stream

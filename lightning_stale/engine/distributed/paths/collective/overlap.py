@@ -47,7 +47,8 @@ def bucket_ranges(sizes: list[int], element_bytes: int, first_bytes: int = FIRST
                   bytes_per_bucket: int = BUCKET_BYTES) -> list[tuple[int, int]]:
     """Runs of parameter indices [lo, hi), from the last parameter back to the first, each
     bucket closed once it holds ``first_bytes`` (the first) or ``bytes_per_bucket`` (the rest)."""
-    ranges, hi, held = [], len(sizes), 0
+    ranges: list[tuple[int, int]] = []
+    hi, held = len(sizes), 0
     for i in reversed(range(len(sizes))):
         held += sizes[i] * element_bytes
         if held >= (first_bytes if not ranges else bytes_per_bucket):
@@ -125,7 +126,9 @@ class OverlappedAllReduce:
                 raise RuntimeError("a second backward pass reached a gradient whose bucket is already "
                                    "being reduced; the overlapped all-reduce takes one backward per "
                                    "step (pass overlap_allreduce=False to the strategy)")
-            grad = param.grad.to_dense() if param.grad.is_sparse else param.grad
+            grad = param.grad
+            assert grad is not None, "the hook runs once the gradient is accumulated"
+            grad = grad.to_dense() if grad.is_sparse else grad
             a, z = self._offsets[index], self._offsets[index + 1]
             part = self._vector[a:z]
             torch.mul(grad.detach().reshape(-1).to(part.device), 1.0 / self.learners, out=part)

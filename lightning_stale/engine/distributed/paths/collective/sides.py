@@ -27,6 +27,7 @@ the server's answer then only confirms the update the learners have already redu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,8 @@ class CollectiveExchange(LearnerSide):
         group: the process group of the all-reduce (None: the default group).
         overlap: reduces the gradient during backward where the server says so, or None.
     """
+
+    schedules: Schedules  # every learner steps its own
 
     def __init__(self, vectors: ModelVectors, optimizer: Optimizer, schedules: Schedules, rank: int,
                  device: torch.device, clip: Callable[[Optimizer], None] | None = None,
@@ -208,13 +211,16 @@ class CollectiveExchange(LearnerSide):
         if message.kind not in (Kind.PARAMS, Kind.STOP):
             return
         if self._pending and self._pending[0] is None:
-            self._check_round(message.payload)
+            assert self.overlap is not None, "a push that went round during backward"
+            self._check_round(self.overlap.learners, message.payload)
             largest = self._largest_integers([], self._own_integers)
             reduced, recycled = self.overlap.result(), []
             self.overlapped_updates += 1
         else:
             k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
-            taken, stale = self._pending[:mine], self._pending[mine:]
+            # (only the overlapped round's push is None, and it is taken alone)
+            pending = cast("list[Tensor]", self._pending)
+            taken, stale = pending[:mine], pending[mine:]
             largest = self._largest_integers(taken)  # before the sum overwrites the first of them
             reduced, recycled = self._reduce(taken, k), taken[1:] + stale
         self._pending = []
@@ -249,9 +255,8 @@ class CollectiveExchange(LearnerSide):
         dist.all_reduce(reduced, group=self.group)
         return reduced
 
-    def _check_round(self, payload: Tensor) -> None:
-        """An overlapped round is only ever taken whole: one gradient from every learner."""
-        p = self.overlap.learners
+    def _check_round(self, p: int, payload: Tensor) -> None:
+        """An overlapped round is only ever taken whole: one gradient from every learner (P)."""
         if len(self._pending) != 1 or payload[0] != p or not bool((payload[1:1 + p] == 1).all()):
             raise RuntimeError(f"learner {self.rank}: the server's update {payload[:1 + p].tolist()} "
                                "does not take the overlapped round of every learner")

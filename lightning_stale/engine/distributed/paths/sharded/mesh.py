@@ -43,7 +43,7 @@ class DataMesh:
         self.group, self.rank, self.p, self.deliver = group, rank, p, deliver
         self.channels = channels or {}
         self._max_numel, self._broken = max_numel, broken
-        self._outboxes = {peer: queue.Queue() for peer in range(p) if peer != rank}
+        self._outboxes: dict[int, queue.Queue[Message]] = {peer: queue.Queue() for peer in range(p) if peer != rank}
         self._threads = []
         for peer in self._outboxes:
             self._threads += [

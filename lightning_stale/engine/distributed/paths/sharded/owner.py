@@ -178,6 +178,7 @@ class ShardOwner:
             self.report(f"the shard server on rank {self.rank} failed: {type(exc).__name__}: {exc}\n{detail}")
 
     def _apply(self, command: Message) -> None:
+        assert command.payload is not None, "an update names its gradients"
         orders = command.payload.view(-1, 3).tolist()
         pieces = [self._take(int(learner), int(seq)) for learner, seq, _ in orders]
         for m in pieces:
@@ -189,7 +190,7 @@ class ShardOwner:
         self.state.apply(contributions, None if all(w == 1.0 for w in weights) else weights, command.version)
         self.version = command.version
         with self._arrived:  # older pieces of these learners were dropped by the server
-            applied = {}
+            applied: dict[int, int] = {}
             for learner, seq, _ in orders:
                 applied[int(learner)] = max(applied.get(int(learner), -1), int(seq))
             for key in [k for k in self._pieces if k[0] in applied and k[1] < applied[k[0]]]:

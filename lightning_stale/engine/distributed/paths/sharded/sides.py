@@ -84,12 +84,12 @@ class ShardedExchange(LearnerSide):
             while len(self._slices.get(message.delivery, ())) < self.layout.p:
                 self._arrived.wait(WAIT_S)
                 check()
-            slices = self._slices.pop(message.delivery)
+            arrived = self._slices.pop(message.delivery)
             for delivery in [d for d in self._slices if d < message.delivery]:
                 del self._slices[delivery]  # skipped: a newer delivery superseded them
-        for m in slices.values():
+        for m in arrived.values():
             streams.receive(m.payload, m.ready)  # a slice on the device: from its channel or owner
-        slices = [slices[o].payload for o in range(self.layout.p)]
+        slices = [_payload(arrived[o]) for o in range(self.layout.p)]
         if message.kind == Kind.EPOCH:  # kept whole: validation loads it later
             message.payload = self.layout.join(slices)
         else:  # loaded straight from the slices by `take`
@@ -178,12 +178,11 @@ class ShardedPayloads(ServerSide):
                 self._gathered_ready.wait(WAIT_S)
                 check()
             parts = self._gathered[request] if keep else self._gathered.pop(request)
-        states = [parts[(o, False)].payload if parts[(o, False)].payload is not None else torch.zeros(0)
-                  for o in range(self.p)]
+        states = [_payload(parts[(o, False)]) for o in range(self.p)]
         # On the host: an owner's optimizer state was saved from its own GPU, which rank 0 must
         # not allocate on (nor may be able to see); loading it into an optimizer moves it to the
         # parameters' device.
-        saved = [torch.load(io.BytesIO(parts[(o, True)].payload.numpy().tobytes()), map_location="cpu",
+        saved = [torch.load(io.BytesIO(_payload(parts[(o, True)]).numpy().tobytes()), map_location="cpu",
                             weights_only=True) for o in range(self.p)]
         return states, saved, parts[(0, False)].version
 
@@ -193,6 +192,11 @@ class ShardedPayloads(ServerSide):
             self.send(owner, Message(command.kind, command.learner, command.version, command.epoch,
                                      flags=command.flags, delivery=command.delivery,
                                      payload=command.payload))
+
+
+def _payload(message: Message) -> Tensor:
+    """A message's payload; none (an owner of no tensor) is an empty one."""
+    return message.payload if message.payload is not None else torch.zeros(0)
 
 
 def assemble_optimizer_state(optimizer, layout: ShardLayout, params: Sequence[Tensor],
