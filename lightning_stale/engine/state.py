@@ -233,7 +233,7 @@ class ServerState:
         clip: clips the averaged gradient before the step (the Trainer's gradient clipping, as
             DDP applies it to its averaged gradient), or None.
         tensors: indices of the trainable parameters this state holds (a shard of the server,
-            `engine.distributed.sharded`); None: all of them.
+            `paths.sharded.owner`); None: all of them.
     """
 
     def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),

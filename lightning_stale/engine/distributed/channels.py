@@ -17,7 +17,7 @@ received payload is handed to its reader with an event (``Message.ready``). A NC
 its operations on a stream of its own too, from PyTorch's pools: the channels' groups ask for the
 most urgent priority level, which neither the default group nor the engine's streams use, so that
 no channel ever shares a stream with another channel or a collective (`channel_backend` in
-`ranks` keeps their number within a pool). A fit that ends cleanly destroys its channels' groups
+`paths.registry` keeps their number within a pool). A fit that ends cleanly destroys its channels' groups
 (`close_channels`).
 
 On the CPU the channels are gloo groups carrying host tensors: the same code, which the tests run
@@ -134,7 +134,7 @@ def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tupl
             else:
                 work = dist.irecv(value, src=src, group=channel.group)
             # Bounded by the strategy's timeout (a peer that died in set-up; the groups' own is
-            # long: `ranks.CHANNEL_TIMEOUT`), on NCCL by waiting on the host, which an explicit
+            # long: `frames.CHANNEL_TIMEOUT`), on NCCL by waiting on the host, which an explicit
             # timeout asks for.
             if work is None or not work.wait(limit):
                 raise TimeoutError(f"rank {rank}: the device channel {src} -> {dst} was not set up "

@@ -66,7 +66,7 @@ class Kind(IntEnum):
     EPOCH = 7  # server -> learner: an epoch ended; payload = the parameters to validate
     ABORT = 8  # either way: the run failed or was interrupted; payload = the reason (utf-8)
     HEARTBEAT = 9  # server -> learner: the server is alive (sent when it has nothing else to say)
-    # The sharded path (engine.distributed.sharded): data between learners and shard owners,
+    # The sharded path (engine.distributed.paths.sharded): data between learners and shard owners,
     # and the server's orders to the owners.
     PIECE = 10  # learner -> owner: its part of push ``seq`` (gradients, buffers, presence)
     SLICE = 11  # owner -> learner: its part of the parameters of ``version``, for ``delivery``

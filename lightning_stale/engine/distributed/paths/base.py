@@ -150,7 +150,7 @@ class CheckpointView:
 
     server: Any
     module: nn.Module
-    optimizer: Callable[[], Optimizer] = lambda: None  # type: ignore[assignment,return-value]
+    optimizer: Callable[[], Any] = lambda: None
     learner: Callable[[], Any] = lambda: None
     finished: Callable[[], bool] = lambda: False
     check_server: Callable[[], None] = lambda: None
@@ -241,8 +241,9 @@ class ServerPath(ABC):
 
     @abstractmethod
     def traffic(self, numel: int, p: int, k: int) -> float:
-        """Values moved by the busiest rank per update (N = ``numel`` values, P learners, K
-        gradients per update); times the element size, bytes."""
+        """Values a rank sends and receives per update (the busiest rank's, where they differ),
+        for N = ``numel`` values, P learners and K gradients per update; times the element
+        size, bytes."""
 
     @abstractmethod
     def channel_pairs(self, p: int) -> list[tuple[int, int]]:
