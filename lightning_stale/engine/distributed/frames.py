@@ -48,18 +48,12 @@ CHANNEL_TIMEOUT = datetime.timedelta(days=7)
 
 @dataclass
 class PayloadRoutes:
-    """The routes this rank's large payloads take besides a header's frame and gloo.
+    """The routes this rank's large payloads take besides a header's frame and gloo."""
 
-    Args:
-        channels: this rank's device channels by (sender, receiver) (`channels`).
-        lanes: peer -> (lane to send on, lane to receive on) in shared memory (`lanes`).
-        through_endpoints: the payloads travel between the learners' and the server's endpoints
-            (else the channels serve a path's own data connections, and the endpoints carry
-            headers and small orders).
-    """
-
-    channels: dict[tuple[int, int], Channel] = field(default_factory=dict)
-    lanes: dict = field(default_factory=dict)
+    channels: dict[tuple[int, int], Channel] = field(default_factory=dict)  # by (sender, receiver)
+    lanes: dict = field(default_factory=dict)  # peer -> (lane to send on, lane to receive on)
+    # payloads travel between the learners' and the server's endpoints (else the channels serve
+    # a path's own data connections, and the endpoints carry headers and small orders)
     through_endpoints: bool = True
 
     @property

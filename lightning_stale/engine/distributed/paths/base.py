@@ -136,25 +136,15 @@ class ServerSide(ABC):
 
 @dataclass
 class CheckpointView:
-    """What a path's part of a checkpoint may read on rank 0 (the strategy gives it).
+    """What a path's part of a checkpoint may read on rank 0 (the strategy gives it)."""
 
-    Args:
-        server: the parameter server.
-        module: the LightningModule.
-        optimizer: returns rank 0's own optimizer (Lightning's).
-        learner: returns rank 0's learner, None once it has left.
-        finished: whether the fit has ended (the module and optimizer then hold the final state).
-        check_server: raises if the server failed.
-        learner_side: rank 0's learner side.
-    """
-
-    server: Any
-    module: nn.Module
-    optimizer: Callable[[], Any] = lambda: None
-    learner: Callable[[], Any] = lambda: None
-    finished: Callable[[], bool] = lambda: False
-    check_server: Callable[[], None] = lambda: None
-    learner_side: LearnerSide | None = None
+    server: Any  # the parameter server
+    module: nn.Module  # the LightningModule
+    optimizer: Callable[[], Any] = lambda: None  # rank 0's own (Lightning's) optimizer
+    learner: Callable[[], Any] = lambda: None  # rank 0's learner, None once it has left
+    finished: Callable[[], bool] = lambda: False  # the fit ended: the module holds the final state
+    check_server: Callable[[], None] = lambda: None  # raises if the server failed
+    learner_side: LearnerSide | None = None  # rank 0's
 
 
 class CheckpointPart:
@@ -207,21 +197,13 @@ class RankContext:
 
 @dataclass
 class RankParts:
-    """What a path built for one rank.
+    """What a path built for one rank."""
 
-    Args:
-        learner_side: this rank's learner side, made once its endpoint exists.
-        server_side: on rank 0, the server side.
-        state: on rank 0, the server core's state, where the server holds the model (else None).
-        orders: the queue of orders for this rank's part of the server (its shard owner), if any.
-        start: starts that part, given this rank's learner endpoint and rank 0's server.
-    """
-
-    learner_side: Callable[[Any], LearnerSide]
-    server_side: ServerSide | None = None
-    state: ServerState | None = None
-    orders: queue.Queue | None = None
-    start: Callable[[Any, Any], None] | None = None
+    learner_side: Callable[[Any], LearnerSide]  # made once this rank's learner endpoint exists
+    server_side: ServerSide | None = None  # on rank 0
+    state: ServerState | None = None  # on rank 0, where the server core holds the model
+    orders: queue.Queue | None = None  # for this rank's part of the server (a shard owner), if any
+    start: Callable[[Any, Any], None] | None = None  # starts that part (learner endpoint, server)
 
 
 class ServerPath(ABC):
