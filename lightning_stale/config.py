@@ -148,7 +148,7 @@ def _validate_run(cfg: DictConfig) -> int | None:
 
 def _check_server_path(cfg: DictConfig, variant: str) -> None:
     # The strategy refuses these too, but only once it is built in every process.
-    from lightning_stale.engine.distributed.ranks import SERVER_PATHS, path_problem
+    from lightning_stale.engine.distributed.paths.registry import SERVER_PATHS, path_problem
 
     options = cfg.engine.strategy
     path = options.get("server", "auto")

@@ -28,8 +28,9 @@ so do the update records and ``mean_update_interval_s``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from torch import Tensor
 
@@ -113,7 +114,7 @@ class ServerCore:
         self._paused_s = 0.0
         self._paused_at: float | None = None
         self._last_update_s = 0.0  # running time of the latest update
-        if self.keep_snapshots:
+        if self.keep_snapshots and state is not None:
             self._snapshots[self.rules.version] = state.snapshot(self.rules.version)
 
     # ------------------------------------------------------------------ clock
@@ -162,7 +163,7 @@ class ServerCore:
         if self.rules.stopped:  # arrived after the stop: counted as in flight, nothing else
             return Outcome(self.rules.on_push(learner, version))
         decision = self.rules.on_push(learner, version, unusable)
-        if decision.accepted:
+        if decision.accepted and decision.push is not None:
             self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
         applied = self._apply(decision.update, clock) if decision.update is not None else None
         self._pushes_this_epoch += 1
@@ -254,7 +255,7 @@ class ServerCore:
         """Apply ``update`` (where the core holds the state), write its record; returns the
         Outcome's fields about it."""
         pushed = [self._pending.pop(g.id) for g in update.gradients]
-        weights = None
+        weights: Sequence[float] | None = None
         if self.compensation is not None and self.state is not None:
             numel = self.state.vectors.numel  # the parameters, without the buffers
             weights = self.compensation.weights(
@@ -269,7 +270,7 @@ class ServerCore:
         contributions = tuple(pushed[i].contribution for i in order)
         weights = None if weights is None else tuple(weights[i] for i in order)
         if self.state is not None:
-            self.state.apply(list(contributions), weights, update.index)
+            self.state.apply(cast("list[Contribution]", list(contributions)), weights, update.index)
             self._snapshot_current()
         self.samples += sum(p.samples for p in pushed)
         self._last_update_s = self.running_time(clock)
@@ -287,7 +288,7 @@ class ServerCore:
         return {"record": record, "contributions": contributions, "weights": weights}
 
     def _snapshot_current(self) -> None:
-        if self.keep_snapshots:
+        if self.keep_snapshots and self.state is not None:
             self._snapshots[self.rules.version] = self.state.snapshot(self.rules.version)
 
     def _forget_unused_snapshots(self) -> None:

@@ -43,6 +43,7 @@ class SimulatedServer:
 
     @property
     def state(self) -> ServerState:
+        assert self.core.state is not None, "the simulated server holds the model"
         return self.core.state
 
     @property

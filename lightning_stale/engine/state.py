@@ -13,7 +13,7 @@ as "average the K gradients, then one step of the module's own optimizer". A par
 gradient of the update touched keeps ``grad = None``, so the optimizer leaves it alone exactly as
 under DDP (frozen layers, an unused head under weight decay). Buffers are the mean of the
 buffers pushed with the update's gradients (integer buffers: the largest), the server's choice
-documented in the README: every learner's statistics count, and learners that load the server's
+documented in docs/concepts/server.md: every learner's statistics count, and learners that load the server's
 parameters load its buffers too.
 """
 
@@ -233,7 +233,7 @@ class ServerState:
         clip: clips the averaged gradient before the step (the Trainer's gradient clipping, as
             DDP applies it to its averaged gradient), or None.
         tensors: indices of the trainable parameters this state holds (a shard of the server,
-            `engine.distributed.sharded`); None: all of them.
+            `paths.sharded.owner`); None: all of them.
     """
 
     def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),
@@ -335,10 +335,10 @@ def _joined(parts: Sequence[Tensor], device: torch.device, out: Tensor | None = 
     fits = out is not None and out.numel() == total and out.device == device
     sources = {t.device for t in parts}
     if sources != {device} and len(sources) == 1:
-        flat = torch.cat(parts)
-        return out.copy_(flat) if fits else flat.to(device)
-    parts = [t.to(device) for t in parts]
-    return torch.cat(parts, out=out) if fits else torch.cat(parts)
+        flat = torch.cat(list(parts))
+        return out.copy_(flat) if fits and out is not None else flat.to(device)
+    moved = [t.to(device) for t in parts]
+    return torch.cat(moved, out=out) if fits else torch.cat(moved)
 
 
 def named_state(module: nn.Module, vector: Tensor, buffers: bool = True) -> dict[str, Tensor]:
@@ -356,9 +356,9 @@ def load_gradients(params: Sequence[Tensor], flat: Tensor, present: Tensor | Non
     """Set each parameter's ``grad`` from its part of ``flat`` (a view where dtype and device
     allow: ``flat`` must not be reused); a parameter whose ``present`` is False gets
     ``grad = None``, so that the optimizer skips it (as it would under DDP)."""
-    present = None if present is None else present.tolist()  # (one read of a CUDA mask, not one per tensor)
+    flags = None if present is None else present.tolist()  # (one read of a CUDA mask, not one per tensor)
     for i, (p, part) in enumerate(zip(params, torch.split(flat, [p.numel() for p in params]))):
-        if present is not None and not present[i]:
+        if flags is not None and not flags[i]:
             p.grad = None
             continue
         grad = part.view_as(p).to(device=p.device, dtype=p.dtype)

@@ -82,7 +82,7 @@ def separate_levels(device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     with torch.cuda.device(device):
-        least, greatest = torch.cuda.Stream.priority_range()
+        least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a static method the stubs declare as one of the instance
     return least - greatest + 1 >= 3
 
 
@@ -160,6 +160,6 @@ def reading(stream: torch.cuda.Stream | None) -> Iterator[None]:
     complete when this ends, before the engine thread changes the state again."""
     reader = engine_stream(stream.device, READERS) if stream is not None else None
     with running_on(reader):
-        if reader is not None:
+        if reader is not None and stream is not None:
             reader.wait_stream(stream)
         yield

@@ -106,6 +106,7 @@ class ServerStrategyMixin:
         self._adaptive = None
         if self.adaptive_k is not None:
             adaptive = copy.deepcopy(AdaptiveK.create(self.adaptive_k, k0=self.variant.k))
+            assert adaptive is not None, "adaptive_k was given"
             if self.k is not None and self.k != adaptive.k0:
                 raise ValueError(f"k={self.k} disagrees with adaptive_k's k0={adaptive.k0}; give one")
             adaptive.limit(p)
@@ -165,6 +166,7 @@ class ServerStrategyMixin:
         few stale pushes, and for AdaSync). With no ``max_epochs`` it is ``max_steps``."""
         epoch_loop = trainer.fit_loop.epoch_loop
         max_steps = epoch_loop.max_steps
+        assert self.variant is not None, "settled for this fit"
         self.updates_per_epoch = max(1, math.ceil(pushes_per_epoch / self.variant.k))
         if trainer.max_epochs in (None, -1):
             yield
@@ -316,4 +318,5 @@ class ServerStrategyMixin:
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Lightning's registration hook: ``Trainer(strategy=cls.strategy_name)``."""
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+            summary = (cls.__doc__ or cls.__name__).splitlines()[0]
+            strategy_registry.register(cls.strategy_name, cls, description=summary)

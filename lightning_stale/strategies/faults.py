@@ -22,7 +22,7 @@ Three pieces, each undone in the strategy's teardown:
 the server about this process's exception, hands a stop wanted inside an epoch to the server,
 and, after a failure, lets the threads receiving from peers end before the process exits.
 `destroy_groups_at_exit` has the process groups destroyed at interpreter exit if no fit or
-evaluation in the process failed (see the README's "Leaving a failed run cleanly").
+evaluation in the process failed (docs/how-to/faults.md).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def destroy_groups_at_exit(clean: bool) -> None:
     ``trainer.validate`` after a failed fit) does not mend those connections. A gloo group left
     for the interpreter's finalization can abort a process that trained successfully
     ("terminate called without an active exception"): its worker threads still hold finished
-    work whose tensors are freed then. The README's "Leaving a failed run cleanly" says more."""
+    work whose tensors are freed then. docs/how-to/faults.md says more."""
     _AT_EXIT["clean"] = _AT_EXIT["clean"] and clean
     if not _AT_EXIT["registered"]:
         _AT_EXIT["registered"] = True
@@ -251,6 +251,7 @@ class FaultHandling:
 
     _trap: SignalTrap | None = None
     _watchdog: Watchdog | None = None
+    lost_learner: bool  # (`OwnPaceCollectives`')
     _failure_raised = False  # this process's training thread raised the run's failure
 
     def watch(self, learner: Learner) -> Callable[[], None]:

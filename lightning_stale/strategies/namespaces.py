@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import sys
 from functools import cache
+from types import FrameType
 from typing import Any
 
 NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
@@ -53,7 +54,7 @@ def namespace_of(obj: Any) -> str | None:
 
 def _calling_namespace() -> str | None:
     """The namespace of the nearest Lightning module on the call stack (outside this package)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         for ns in NAMESPACES:

@@ -4,8 +4,8 @@ and the Trainer options that epochs shaped by the server rule out."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -39,7 +39,7 @@ def independent_sampler(dataloader: DataLoader, seed: int, rank: int, p: int,
     batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
     if batch_size is None:
         raise ValueError("StaleStrategy needs a training DataLoader with a batch_size")
-    n = len(dataloader.dataset)
+    n = len(cast(Sized, dataloader.dataset))  # (a map-style dataset: checked above)
     pushes = pushes_per_epoch(n, batch_size, dataloader.drop_last, p, limit_train_batches,
                               accumulate_grad_batches)
     return IndependentBatchSampler(n, batch_size, seed, rank), pushes

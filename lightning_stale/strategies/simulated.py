@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import os
 import pickle
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, cast
 
 import torch
 from pytorch_lightning import LightningModule
@@ -93,7 +93,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
                  staleness_compensation: str | dict | StalenessCompensation | None = None,
                  seed: int = 0, record_trace: bool | str | os.PathLike | None = None,
                  device: str | torch.device | None = None, **kwargs: Any) -> None:
-        super().__init__(device="cpu" if device is None else device, **kwargs)
+        # (the Lightning base is joined at import, `strategies.namespaces`: not visible here)
+        super().__init__(device="cpu" if device is None else device, **kwargs)  # type: ignore[call-arg]
         self._device_given = device is not None
         delay = NoDelay() if delay is None else delay
         self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
@@ -171,12 +172,13 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         if self.record_trace:
             self.trace_recorder = TraceRecorder()
             delay = RecordingDelay(delay, self.trace_recorder)
+        assert self.variant is not None, "settled for this fit"
         self.server = SimulatedServer(state, self.variant, delay, self.compute_time,
                                       self._adaptive, self.staleness_compensation)
         if restored is not None:
             rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "
                            "cannot continue: a new one starts from its parameters")
-            self.server.core.state.schedules.load_states(restored["core"]["schedulers"])
+            self._running.state.schedules.load_states(restored["core"]["schedulers"])
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -197,7 +199,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
 
     def _end_epoch(self) -> None:
         metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()}
-        self.server.end_epoch(metrics)
+        self._running.end_epoch(metrics)
 
     @override
     def enter_validation(self) -> None:
@@ -214,7 +216,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self.server.stop()
         # The learner's optimizer takes the server's state, as the module its parameters: what
         # Lightning saves after fit (its checkpoint slots) is the server's.
-        self.optimizers[0].load_state_dict(self.server.core.state.optimizer.state_dict())
+        self.optimizers[0].load_state_dict(self._running.state.optimizer.state_dict())
         self._final_stats = self.server.stats()
         if self.trace_recorder is not None:
             self.write_trace(self.trace_recorder)
@@ -267,7 +269,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         # Each push gets an independent uniform draw, as docs/method.md's analysis assumes.
         generator = torch.Generator().manual_seed(self.seed + self._loaders_made)
         self._loaders_made += 1
-        sampler = RandomSampler(dataset, replacement=True, num_samples=len(dataset),
+        sized = cast(Sized, dataset)  # a map-style dataset
+        sampler = RandomSampler(sized, replacement=True, num_samples=len(sized),
                                 generator=generator)
         return with_sampler(dataloader, sampler)
 
@@ -281,10 +284,15 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     def _engine_checkpoint(self) -> dict:
         # Plain bytes and dicts: loadable with torch.load(weights_only=True).
         # A stopped simulation (saved after fit) cannot go on: only its results are kept.
-        engine = None if self.server.core.stopped else pickle.dumps(self.server)
-        return {"core": self.server.core.state_dict(), "engine": engine, "stats": self.stats}
+        engine = None if self._running.core.stopped else pickle.dumps(self.server)
+        return {"core": self._running.core.state_dict(), "engine": engine, "stats": self.stats}
 
     # ---------------------------------------------------------------- internals
+    @property
+    def _running(self) -> SimulatedServer:
+        assert self.server is not None, "the simulation runs from the start of training"
+        return self.server
+
     def _load_server_parameters(self) -> None:
         if self.server is not None and self.server.state is not None:
             self.server.state.load_into(self.lightning_module)

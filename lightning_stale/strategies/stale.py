@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
@@ -18,24 +17,23 @@ from lightning_stale.delays.models import DelayModel
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.channels import close_channels
-from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
-from lightning_stale.engine.distributed.ranks import (
-    RankOptions,
-    build_rank,
-    channel_backend,
+from lightning_stale.engine.distributed.learner import Learner
+from lightning_stale.engine.distributed.paths.base import CheckpointPart, CheckpointView, LearnerSide
+from lightning_stale.engine.distributed.paths.registry import (
     check_path,
-    levels_agree,
-    overlap_wanted,
-    overlaps,
+    overlap_allreduce,
+    path_named,
+    settle_channels,
     settle_path,
 )
-from lightning_stale.engine.distributed.server import LEARNER_FAILURE_MODES, ParameterServer
+from lightning_stale.engine.distributed.ranks import RankOptions, build_rank
+from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.strategies.base import ServerStrategyMixin
-from lightning_stale.strategies.checkpoints import ServerCheckpoint
+from lightning_stale.strategies.ending import RunEnding
 from lightning_stale.strategies.faults import FaultHandling, destroy_groups_at_exit, watched_launcher
 from lightning_stale.strategies.lightning_api import (
     hooks_after_backward,
@@ -44,28 +42,28 @@ from lightning_stale.strategies.lightning_api import (
     set_global_step,
 )
 from lightning_stale.strategies.namespaces import register_everywhere
+from lightning_stale.strategies.options import DELAY_MODES, check_options
 from lightning_stale.strategies.pace import OwnPaceCollectives
 from lightning_stale.strategies.sampling import IndependentBatchSampler, check_trainer_options, independent_sampler
 
+__all__ = ["DELAY_MODES", "StaleStrategy"]  # (the benchmarks' parsers read the delay modes here)
+
 log = logging.getLogger(__name__)
 
-DELAY_MODES = ("after_compute", "total")
 _SERVER_GROUP_TIMEOUT = timedelta(days=7)  # a gloo timeout kills the connection: never hit it
 # Routes that have not run on two or more GPUs: never a default, logged when asked for.
 UNVERIFIED = ("%s: this route has not run on two or more GPUs yet (see the documentation's GPU "
               "page); pass False to use the verified route")
-_DDP_OPTIONS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-                "precision_plugin", "process_group_backend", "timeout", "start_method")
 
 
-class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
+class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
 
-    The P learners are the Trainer's processes (devices x nodes), launched as for DDP. Global
-    rank 0 also hosts the server thread, which owns the authoritative parameters, optimizer
-    state and schedulers, and updates as soon as the variant's rule is met; learners compute
-    gradients at the parameters they last received. Server traffic uses its own gloo group on CPU
-    tensors, so GPU runs keep NCCL for Lightning's own collectives.
+    A drop-in for ``strategy="ddp"``: the P learners are the Trainer's processes (devices x
+    nodes), launched as for DDP, and global rank 0 also runs the server, which updates as soon
+    as the variant's rule is met; learners compute gradients at the parameters they last
+    received. Server traffic has a gloo group of its own, so GPU runs keep NCCL for Lightning's
+    collectives. Where updates are applied is the ``server`` path (docs: concepts/paths.md).
 
     Args:
         variant: ``sync``, ``k_sync``, ``k_batch_sync``, ``async``, ``k_async`` or
@@ -76,9 +74,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             cancellation).
         delay_mode: ``"after_compute"`` (default): the delay is added after the backward pass;
             ``"total"``: the delay is the mini-batch's whole time X as the server sees it (from
-            sending the parameters to receiving the gradient), as in the paper's model and in a
-            trace recorded elsewhere: the real computation and the learner's measured message
-            round trip count toward it (a mini-batch that already took longer is not shortened).
+            sending the parameters to receiving the gradient), as in the paper's model: the real
+            computation and the message round trip count toward it (a mini-batch that already
+            took longer is not shortened).
         record_trace: write the delays drawn, per learner, in the `Trace` format: True for
             ``delays.csv`` in the log directory, a path, or False.
         staleness_compensation: None, ``"inverse"`` (step of a gradient of staleness s scaled by
@@ -86,19 +84,13 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         adaptive_k: AdaSync schedule of K over wall-clock seconds (K-variants only): an
             `AdaptiveK`, a dict of its arguments, or the interval T0 in seconds.
         seed: seed of every learner's independent mini-batch sampler.
-        server: where updates are applied (`engine.distributed.ranks`): ``"central"`` (the server
-            on rank 0 holds the parameters), ``"collective"`` (sync family: the gradients of an
-            update meet in one all-reduce on the default group and every learner applies it),
-            ``"sharded"`` (every rank owns a slice of the parameters and optimizer state), or
-            ``"auto"`` (default: collective for the sync family on models of at least
-            ``ranks.SCALE_MIN_NUMEL`` values, or, for CPU learners on one node that all share
-            memory with rank 0 (``shared_memory``), ``ranks.ONE_HOST_COLLECTIVE_MIN_NUMEL``
-            (``ranks.CROWDED_HOST_COLLECTIVE_MIN_NUMEL`` where they outnumber the node's
-            cores); sharded for the async family once
-            parameters x (P - 1) reach ``ranks.SHARDED_MIN_TRAFFIC`` and, on one node, P
-            reaches ``ranks.ONE_HOST_SHARDED_MIN_P``; else central).
-            ``stats["server_path"]`` says which ran (and ``stats["shared_memory_learners"]``
-            which learners used `shared_memory`).
+        server: where updates are applied: ``"central"`` (the server on rank 0 holds the
+            parameters), ``"collective"`` (sync family: the gradients of an update meet in one
+            all-reduce and every learner applies it), ``"sharded"`` (every rank owns a slice of
+            the parameters and optimizer state), or ``"auto"`` (default: by the model's size,
+            the family, P and the hosts, `engine.distributed.paths.registry.choose_path`).
+            ``stats["server_path"]`` says which ran (``stats["shared_memory_learners"]``: which
+            learners used `shared_memory`).
         on_learner_failure: ``"stop"`` (default): a learner that dies ends the run, like DDP;
             ``"continue"``: the server drops it, clamps K to the learners left and goes on
             (needs K < P; validation is skipped after a death: the default process group lost
@@ -106,44 +98,30 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         server_timeout: seconds of silence after which a learner takes the server for dead (the
             server sends heartbeats when idle).
         shutdown_timeout: seconds to wait for every learner to leave at the end of training.
-        hold_freed_memory: from the first fit on, keep the memory this process frees for
-            reuse instead of handing it back to the system (glibc's ``mallopt``; nothing
-            elsewhere): a fresh vector of the model's size per push and answer otherwise costs
-            a page fault per page (`engine.distributed.allocator`). It stays set for the
-            process's life. False leaves the allocator alone.
-        shared_memory: on the central path, a learner on rank 0's host sends its pushes and
-            receives its parameters through a file in ``/dev/shm`` mapped by both processes,
-            with only the headers over gloo (`engine.distributed.lanes`; learners on other
+        hold_freed_memory: from the first fit on, keep the memory this process frees for reuse
+            (glibc's ``mallopt``; for the process's life): a fresh vector of the model's size per
+            push and answer otherwise costs a page fault per page. False leaves the allocator alone.
+        shared_memory: on the central path, a learner on rank 0's host exchanges payloads through
+            a file in ``/dev/shm`` mapped by both processes, headers over gloo (learners on other
             hosts, or where ``/dev/shm`` lacks the space, use gloo). False: gloo for all.
-        payload_channels: False (default): payloads go through host memory, with their
-            headers over gloo. True: on the central and sharded paths, payloads travel on
-            point-to-point groups of the default group's backend, one per direction between two
-            ranks (`engine.distributed.channels`), with only the headers over gloo: on NCCL,
-            gradients and parameters go from GPU to GPU without a copy through host memory (a
-            route that has not run on several GPUs yet: it is logged as unverified at start-up);
-            on CPU, gloo groups. Refused with ``on_learner_failure="continue"`` (a dead peer
-            would leave NCCL waiting), for GPUs on a gloo default group, and beyond 15
-            processes (each channel needs CUDA streams of its own, from PyTorch's pools of 32:
-            `engine.streams`); unused for a model whose whole push fits a header's frame
-            (256 KiB). ``stats["payload_channels"]`` names the backend used, or None, and
-            ``stats["payloads_on_channels"]`` counts the payloads rank 0 sent and received on them.
+        payload_channels: False (default): payloads go through host memory. True: on the central
+            and sharded paths, payloads travel on point-to-point groups of the default group's
+            backend, one per direction between two ranks, headers over gloo: on NCCL from GPU to
+            GPU (a route not yet run on several GPUs: logged as unverified), on CPU over gloo.
+            Refused with ``on_learner_failure="continue"``, for GPUs on a gloo default group, and
+            beyond 15 processes (CUDA stream pools); unused where a whole push fits a header's
+            frame (256 KiB). ``stats["payload_channels"]`` names the backend, or None;
+            ``stats["payloads_on_channels"]`` counts rank 0's payloads on them.
         overlap_allreduce: on the collective path, where every update takes one gradient from
             every learner (``sync``; ``k_sync`` with K = P and no ``adaptive_k``), each learner
-            reduces its gradient in buckets while backward runs, as DDP does
-            (`engine.distributed.overlap`), on a process group of its own. None (default): where
-            the default group runs on gloo; not on NCCL, where that second communicator beside
-            the default one has not run on several GPUs yet. True: on NCCL too (logged as
-            unverified at start-up). It applies to
-            automatic optimization with one micro-batch per push and no gradient scaler
-            (``16-mixed``), and where neither the module nor a callback overrides
-            ``on_after_backward`` or ``on_before_optimizer_step`` (they may change the
-            gradients after backward, and are then taken into account: the all-reduce follows
-            the server's decision, as it does everywhere else).
-            ``trainer.strategy.overlapped_updates`` counts the updates reduced so on this rank.
-            False: always after the decision.
-        Other arguments are `DDPStrategy`'s (accelerator, parallel_devices,
-        cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout,
-        start_method).
+            reduces its gradient in buckets while backward runs, as DDP does. None (default):
+            where the default group runs on gloo; True: on NCCL too (logged as unverified);
+            False: always after the decision. It applies to automatic optimization with one
+            micro-batch per push, no gradient scaler, and no ``on_after_backward`` or
+            ``on_before_optimizer_step`` override in the module or a callback (which may change
+            the gradients). ``trainer.strategy.overlapped_updates`` counts such updates.
+        **ddp_kwargs: `DDPStrategy`'s accelerator, parallel_devices, cluster_environment,
+            checkpoint_io, precision_plugin, process_group_backend, timeout, start_method.
 
     Semantics worth knowing: ``trainer.global_step`` is the server update a learner's parameters
     come from, so ``max_steps`` counts server updates; an epoch is one pass worth of mini-batches
@@ -153,9 +131,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     unscaled by the learner; an overflowing one is dropped and counted as "overflow". Any
     exception on any process ends every process at once with a non-zero status, the cause named;
     SIGTERM or SIGINT on any process stops every learner through the goodbye protocol, then
-    raises `RunInterrupted` on every process (``on_exception`` hooks run; non-zero status). The
-    README's "Faults" section has the whole fault model. ``trainer.strategy.stats`` on global
-    rank 0 holds the server's counters (after a failure, those at the failure).
+    raises `RunInterrupted` on every process (docs: how-to/faults.md). ``trainer.strategy.stats``
+    on global rank 0 holds the server's counters (after a failure, those at the failure).
     """
 
     strategy_name = "stale"
@@ -171,35 +148,12 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
                  overlap_allreduce: bool | None = None, payload_channels: bool = False,
                  **ddp_kwargs: Any) -> None:
-        if delay_mode not in DELAY_MODES:
-            raise ValueError(f"unknown delay_mode {delay_mode!r}; choose one of {', '.join(DELAY_MODES)}")
-        if on_learner_failure not in LEARNER_FAILURE_MODES:
-            raise ValueError(f"unknown on_learner_failure {on_learner_failure!r}; choose one of "
-                             f"{', '.join(LEARNER_FAILURE_MODES)}")
-        if on_learner_failure == "continue" and variant == "sync":
-            raise ValueError("on_learner_failure='continue' cannot apply to variant 'sync': every "
-                             "update waits for every learner; use a K-variant with K < P")
-        for name, flag in (("hold_freed_memory", hold_freed_memory), ("shared_memory", shared_memory),
-                           ("payload_channels", payload_channels)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if overlap_allreduce is not None and not isinstance(overlap_allreduce, bool):
-            raise ValueError(f"overlap_allreduce must be None (where the default group runs on gloo), "
-                             f"True or False, got {overlap_allreduce!r}")
-        if payload_channels and on_learner_failure == "continue":
-            raise ValueError("payload_channels=True cannot go with on_learner_failure='continue': a "
-                             "dead learner would leave its peers' point-to-point transfers waiting; "
-                             "pass payload_channels=False (host transport, the default)")
-        for name, value in (("server_timeout", server_timeout), ("shutdown_timeout", shutdown_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-        unknown = sorted(set(ddp_kwargs) - set(_DDP_OPTIONS))
-        if unknown:
-            raise ValueError(f"StaleStrategy got unknown options {unknown}; it does not wrap the model "
-                             f"in DistributedDataParallel, and accepts {sorted(_DDP_OPTIONS)}")
+        check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
+                      hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
+                      payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
+                      server_timeout=server_timeout, shutdown_timeout=shutdown_timeout, ddp_kwargs=ddp_kwargs)
         super().__init__(**ddp_kwargs)
-        self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
-                                  record_trace, seed)
+        self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation, record_trace, seed)
         check_path(server, variant, on_learner_failure, self.staleness_compensation)
         self.server = server
         self.delay_mode, self.on_learner_failure = delay_mode, on_learner_failure
@@ -212,11 +166,10 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
-        self._mesh = None  # the sharded path's data mesh on this rank
+        self._side: LearnerSide | None = None  # this rank's learner side (its stats outlive the learner)
+        self._checkpoint: CheckpointPart | None = None  # on rank 0, the path's part of a checkpoint
         self._samplers: list[IndependentBatchSampler] = []
-        self._pushes_per_epoch = 0
-        self._batch_samples = 0
-        self._batch_started = 0.0
+        self._pushes_per_epoch, self._batch_samples, self._batch_started = 0, 0, 0.0
         self._buffers_at_start: list[torch.Tensor] = []  # the module's, before this push's forwards
         self._epoch = 0
         self.minibatch_times: list[float] = []  # each push's X as the server saw it (NaN: none)
@@ -224,6 +177,11 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     @property
     def num_learners(self) -> int:
         return self.num_nodes * self.num_processes
+
+    @property
+    def _fitting(self) -> Learner:
+        assert self._learner is not None, "a learner runs from on_train_start to on_train_end"
+        return self._learner
 
     @property
     @override
@@ -245,7 +203,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                              "every update would wait for the dead learner")
         super()._configure_launcher()
         self._launcher = watched_launcher(
-            self._launcher, tolerate=lambda: self.on_learner_failure == "continue" and self._server is not None)
+            self._launcher,  # type: ignore[has-type]  # Lightning's, set just above: not visible to a mixin
+            tolerate=lambda: self.on_learner_failure == "continue" and self._server is not None)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -309,47 +268,41 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                                        cpu=self.root_device.type == "cpu")
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
-        # The collective path under a variant whose every update takes one gradient from each
-        # learner, one backward per push, no scaler to undo and no user hook that may change
-        # gradients after backward: a round's gradient is then the one pushed.
         default_backend = dist.get_backend() if self.world_size > 1 else None
-        overlap = (overlap_wanted(self.overlap_allreduce, default_backend) and self.path == "collective"
-                   and overlaps(variant, self._adaptive) and trainer.accumulate_grad_batches == 1
-                   and self.lightning_module.automatic_optimization
-                   and getattr(self.precision_plugin, "scaler", None) is None)
+        plain_steps = (trainer.accumulate_grad_batches == 1 and self.lightning_module.automatic_optimization
+                       and getattr(self.precision_plugin, "scaler", None) is None)
+        overlap = overlap_allreduce(self.overlap_allreduce, default_backend, self.path, variant, self._adaptive,
+                                    plain_steps)
+        # (no user hook that may change gradients after backward: a round's gradient is the one pushed)
         hooks = hooks_after_backward(self.lightning_module, trainer.callbacks) if overlap else []
         if hooks and self.global_rank == 0:
             log.info("overlap_allreduce: the all-reduce follows the server's decision, after %s, "
                      "which may change the gradients", ", ".join(hooks))
         overlap = overlap and not hooks
-        vectors = ModelVectors.of(self.lightning_module)
         if overlap and default_backend == "nccl" and self.global_rank == 0:
             log.warning(UNVERIFIED, "overlap_allreduce=True (the overlap's own NCCL group)")
-        choice = partial(channel_backend, self.payload_channels, self.path, self.world_size,
-                         default_backend, self.root_device,
-                         self.on_learner_failure, vectors.max_push_numel() * vectors.dtype.itemsize)
-        self._channels = choice()
-        # (asked only where NCCL channels would open: the same on every rank, as the question is
-        # collective; without the levels they are refused, saying why)
-        if self._channels == "nccl" and not levels_agree(self._server_group, self.root_device):
-            self._channels = choice(separate_levels=False)
+        vectors = ModelVectors.of(self.lightning_module)
+        self._channels = settle_channels(self.payload_channels, self.path, self.world_size, default_backend,
+                                         self.root_device, self.on_learner_failure,
+                                         vectors.max_push_numel() * vectors.dtype.itemsize, self._server_group)
         if self._channels == "nccl" and self.global_rank == 0:
             log.warning(UNVERIFIED, "payload_channels=True (NCCL point-to-point groups for payloads)")
-        options = RankOptions(self.path, self.delay, self.delay_mode == "total", self.on_learner_failure,
-                              self.server_timeout, self.staleness_compensation, self._adaptive,
-                              self.shared_memory, overlap, self.shutdown_timeout, self._channels, self._timeout)
+        options = RankOptions(path=self.path, delay=self.delay, delay_is_total=self.delay_mode == "total",
+                              on_learner_failure=self.on_learner_failure, server_timeout=self.server_timeout,
+                              compensation=self.staleness_compensation, adaptive=self._adaptive, overlap=overlap,
+                              shared_memory=self.shared_memory, shutdown_timeout=self.shutdown_timeout,
+                              channels=self._channels, timeout=self._timeout)
         learner, self._server, self._channel_ends = build_rank(
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
-        self._learner, self._resume = learner, None
+        self._learner, self._resume, self._side = learner, None, learner.exchange
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
-        self.shard_layout = getattr(learner.exchange, "layout", None)
-        self._mesh = getattr(learner.exchange, "mesh", None)  # the sharded path's, for its stats
-        self.shard_params = learner.vectors.params
-        self._checkpoint = ServerCheckpoint(self)
+        self._checkpoint = None if self._server is None else path_named(self.path).checkpoint(CheckpointView(
+            self._server, self.lightning_module, optimizer=lambda: self.optimizers[0], learner=lambda: self._learner,
+            finished=lambda: self._final_stats is not None, check_server=self.check_server,
+            learner_side=learner.exchange))
         self.overlapped_updates = 0
-        if hasattr(learner.exchange, "release"):  # hooks on the module: gone at teardown, failed or not
-            self._undo.append(learner.exchange.release)
+        self._undo.append(learner.exchange.release)  # hooks on the module: gone at teardown, failed or not
         for sampler in self._samplers:
             sampler.epoch_over = lambda: learner.epoch_over(trainer.current_epoch)
         self._undo.append(self.watch(learner))
@@ -367,14 +320,14 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if self._server is not None:
                 self._server.resume(metrics)
-            schedules = self._learner.exchange.schedules  # stepped here where learners apply updates
+            schedules = self._fitting.exchange.schedules  # stepped here where learners apply updates
             if schedules is not None:
                 schedules.end_epoch(self._epoch - 1, metrics)
-            self.guarded(self._learner.resume)
+            self.guarded(self._fitting.resume)
         if first_micro_batch:
             self._batch_started = time.monotonic()
             with torch.no_grad():  # (into the storage allocated with the learner)
-                for saved, buffer in zip(self._buffers_at_start, self._learner.vectors.buffers):
+                for saved, buffer in zip(self._buffers_at_start, self._fitting.vectors.buffers):
                     saved.copy_(buffer)
 
     @override
@@ -387,10 +340,9 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         # A push; the learner's own optimizer never steps: the server's does.
         model = model if model is not None else self.lightning_module
         loss, overflow = self.compute_gradient(model, optimizer, closure)
-        trainer = self.lightning_module.trainer
+        trainer, learner = self.lightning_module.trainer, self._fitting
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-            learner = self._learner
             discarded, version = learner.cancelled, learner.version
             self.guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
@@ -400,11 +352,11 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                 with torch.no_grad():
                     for buffer, saved in zip(learner.vectors.buffers, self._buffers_at_start):
                         buffer.copy_(saved)
-            self.minibatch_times.append(self._learner.last_x)  # X, for MiniBatchTimer
+            self.minibatch_times.append(learner.last_x)  # X, for MiniBatchTimer
         self._batch_samples = 0
         self.note_dead_learners(trainer)  # before Lightning decides to validate
-        set_global_step(trainer, max(self._learner.version, 0))
-        if self._learner.stopped:
+        set_global_step(trainer, max(learner.version, 0))
+        if learner.stopped:
             trainer.should_stop = True
         self._report_metrics(trainer)
         return loss
@@ -414,91 +366,29 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
         if not any(c.reduce_on_plateau and c.interval == "step" for c in self._schedulers):
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        schedules = self._learner.exchange.schedules
+        schedules = self._fitting.exchange.schedules
         if schedules is not None:  # collective: every learner steps its own
             schedules.metrics.update(metrics)
         elif self._server is not None:
             self._server.report_metrics(metrics)
 
-    @override
-    def on_train_end(self) -> None:
-        self._step_last_epoch_schedulers()
-        self._shut_down()
-        super().on_train_end()
-
-    def _step_last_epoch_schedulers(self) -> None:
-        """Lightning steps the epoch-interval schedulers after every epoch's validation, the
-        last epoch's too; the server steps them when the next epoch begins, so when the fit
-        ended with an epoch (not with ``max_steps`` inside one) that epoch's are stepped here."""
-        server = self._server
-        if server is None or self._learner is None:
-            return
-        with server.lock:
-            epochs_ended = server.core.epoch
-        if epochs_ended > self._epoch:
-            trainer = self.lightning_module.trainer
-            server.resume({k: float(v) for k, v in trainer.callback_metrics.items()})
-
-    def _shut_down(self) -> None:
-        learner, self._learner = self._learner, None
-        if learner is None:
-            return
-        self.stop_watching()
-        learner.close(self.shutdown_timeout)
-        if self._server is not None:
-            self._finish_server()
-        stuck = learner.exchange.close(self.shutdown_timeout)
-        self.overlapped_updates = getattr(learner.exchange, "overlapped_updates", 0)
-        if stuck:
-            raise ServerFailed(f"threads still running after shutdown: {stuck}")
-        if learner.interrupted:  # a signal stopped training: everyone left, the run did not finish
-            self._failure_raised = True
-            raise RunInterrupted(f"{learner.interrupted}: training stopped before its end (every "
-                                 "learner left through the shutdown protocol)")
-
-    def _finish_server(self) -> None:
-        if not self._server.join(self.shutdown_timeout):
-            raise ServerFailed(f"the parameter server did not finish within {self.shutdown_timeout} s")
-        stuck = self._server.endpoint.join(self.shutdown_timeout)
-        if stuck:
-            raise ServerFailed(f"server threads still running after shutdown: {stuck}")
-        self.check_server()
-        self._checkpoint.finish()
-        self._collect_stats()
-
-    def _collect_stats(self, unannounced: Learner | None = None) -> None:
-        """The final counters, and the trace of the delays drawn (written atomically). After a
-        normal end the trace holds every learner's delays (from their goodbyes); after a failure
-        (``unannounced``: rank 0's learner, which said no goodbye) it holds rank 0's delays and
-        those of learners that had said goodbye, not the others'."""
-        stats, recorder = self._server.final_report(
-            None if unannounced is None else (unannounced.rank, unannounced.delays, unannounced.cancelled))
-        stats["server_path"] = self.path
-        stats["shared_memory_learners"] = self._server.endpoint.lane_learners
-        stats["payload_channels"] = self._channels
-        stats["payloads_on_channels"] = (self._server.endpoint.payloads_on_channels  # rank 0's
-                                         + (self._mesh.payloads_on_channels if self._mesh is not None else 0))
-        path = self.write_trace(recorder)
-        if path is not None:
-            stats["trace_path"] = path
-        self._final_stats = stats
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def server_state(self) -> Any:
-        return None  # the checkpoint's parts come from `ServerCheckpoint`, per path
+        return None  # the checkpoint's parts come from the path's (`paths.base.CheckpointPart`)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state_dict = super().lightning_module_state_dict()
-        return self._checkpoint.module_state(state_dict) if self._server is not None else state_dict
+        return self._checkpoint.module_state(state_dict) if self._checkpoint is not None else state_dict
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         own = super().optimizer_state(optimizer)
-        return self._checkpoint.optimizer_state(own) if self._server is not None else own
+        return self._checkpoint.optimizer_state(own) if self._checkpoint is not None else own
 
     def _engine_checkpoint(self) -> dict:
+        assert self._checkpoint is not None, "a checkpoint of the server's books is written on rank 0"
         return self._checkpoint.engine_state()
 
     @override
@@ -531,8 +421,8 @@ class StaleStrategy(FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
                     self._collect_stats(unannounced=learner)
                 except Exception as exc:  # noqa: BLE001 - the original error matters more
                     log.warning("StaleStrategy: could not write the trace of the failed run: %s", exc)
-            if failed:
-                self.overlapped_updates = getattr(learner.exchange, "overlapped_updates", 0)  # (so far)
+            if failed and learner is not None:  # (the same learner: it never left)
+                self.overlapped_updates = learner.exchange.overlapped_updates  # (so far)
                 self.leave_failed_run(learner)
             if self._server_group is not None and not failed:
                 # (a group whose connections broke is left to the process's exit: destroying

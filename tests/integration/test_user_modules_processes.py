@@ -177,7 +177,7 @@ def test_a_users_module_trains_with_its_payloads_on_device_channels(runs):
 
 
 def test_auto_runs_a_mid_sized_sync_model_central_on_the_lanes_it_opened_to_decide(runs):
-    from lightning_stale.engine.distributed.ranks import ONE_HOST_COLLECTIVE_MIN_NUMEL, SCALE_MIN_NUMEL
+    from lightning_stale.engine.distributed.paths.registry import ONE_HOST_COLLECTIVE_MIN_NUMEL, SCALE_MIN_NUMEL
 
     run = runs["wider@auto"]
     stats = run["stats"]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_stale.engine.distributed import channels as channels_module
-from lightning_stale.engine.distributed.channels import Channel, channel_pairs, close_channels, open_channels
+from lightning_stale.engine.distributed.channels import Channel, close_channels, open_channels
+from lightning_stale.engine.distributed.paths.registry import channel_pairs
 
 
 def test_a_sent_payload_is_held_for_the_channels_stream_after_its_send(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 
 from lightning_stale.engine.distributed.lanes import SLOTS, LaneClosed, LaneFile, slot_bytes_for
 from lightning_stale.engine.distributed.messages import IN_LANE, Kind, Message, TransportError
-from lightning_stale.engine.distributed.transport import decode, encode
+from lightning_stale.engine.distributed.frames import decode, encode
 from thread_ranks import ThreadRanks
 
 
@@ -143,7 +143,7 @@ def test_a_payload_packed_in_the_next_slot_is_sent_from_there_and_work_thrown_aw
 
 
 def test_a_central_learner_packs_its_push_into_the_lane(tmp_path):
-    from lightning_stale.engine.distributed.central import CentralExchange
+    from lightning_stale.engine.distributed.paths.central.sides import CentralExchange
     from lightning_stale.engine.state import ModelVectors
 
     learner, server = open_pair(tmp_path, 1000)
@@ -217,13 +217,13 @@ class Loopback:
 def test_the_server_writes_an_answer_straight_into_a_free_slot_and_never_waits_for_one(tmp_path, monkeypatch):
     """`ServerEndpoint.place_for`: the learner's next slot while it is free and the learner's
     sender has nothing queued (else None at once), sent from there with no copy."""
-    from lightning_stale.engine.distributed import transport
+    from lightning_stale.engine.distributed import frames
     from lightning_stale.engine.distributed.transport import DOWN, UP, ServerEndpoint
 
     n = 100_000  # over a frame's inline payload
     learner, server = open_pair(tmp_path, n)
     wire = Loopback()
-    monkeypatch.setattr(transport, "dist", wire)
+    monkeypatch.setattr(frames, "dist", wire)
     endpoint = ServerEndpoint(None, 2, lambda message: None, None, n, lanes={1: (server.down, server.up)})
     lane = server.down
     copied = threading.Event()  # a payload from elsewhere is copied into its slot, after a wait
@@ -334,8 +334,8 @@ def test_a_lent_payload_is_never_copied_out_while_it_is_being_loaded(tmp_path):
 def test_a_learner_loads_the_servers_parameters_straight_from_its_slot(tmp_path, monkeypatch):
     """`LearnerEndpoint` lends the parameters and the stop (an epoch's parameters, kept for
     validation, are copied out), and `CentralExchange.take` loads them from the slot."""
-    from lightning_stale.engine.distributed import transport
-    from lightning_stale.engine.distributed.central import CentralExchange
+    from lightning_stale.engine.distributed import frames, transport
+    from lightning_stale.engine.distributed.paths.central.sides import CentralExchange
     from lightning_stale.engine.distributed.transport import LearnerEndpoint
     from lightning_stale.engine.state import ModelVectors
 
@@ -344,7 +344,7 @@ def test_a_learner_loads_the_servers_parameters_straight_from_its_slot(tmp_path,
     n = vectors.state_numel
     learner, server = open_pair(tmp_path, n)
     wire = Loopback()
-    monkeypatch.setattr(transport, "dist", wire)
+    monkeypatch.setattr(frames, "dist", wire)
     endpoint = LearnerEndpoint(1, None, n, lanes=(learner.up, learner.down))
 
     def answer(kind, value):

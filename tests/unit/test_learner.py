@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_stale.engine.distributed.collective import CollectiveExchange
+from lightning_stale.engine.distributed.paths.collective.sides import CollectiveExchange
+from lightning_stale.engine.distributed.paths.central.sides import CentralExchange
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.distributed.transport import LearnerEndpoint
@@ -66,7 +67,9 @@ def make_learner(delay=None, **options):
     module = nn.Linear(2, 1, bias=False)
     module.weight.grad = torch.ones_like(module.weight)
     endpoint = FakeLearnerEndpoint()
-    learner = Learner(endpoint, ModelVectors.of(module), delay, **options)
+    vectors = ModelVectors.of(module)
+    options.setdefault("exchange", CentralExchange(vectors))
+    learner = Learner(endpoint, vectors, delay, **options)
     endpoint.inbox.put(Message(Kind.PARAMS, version=0, payload=torch.zeros(2)))
     learner.wait_for_parameters()
     return learner, endpoint, module

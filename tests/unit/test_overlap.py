@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_stale.engine.distributed.collective import CollectiveExchange, update_payload
+from lightning_stale.engine.distributed.paths.collective.sides import CollectiveExchange, update_payload
 from lightning_stale.engine.distributed.messages import Kind, Message
-from lightning_stale.engine.distributed.overlap import OverlappedAllReduce, bucket_ranges
+from lightning_stale.engine.distributed.paths.collective.overlap import OverlappedAllReduce, bucket_ranges
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.rules import Push, Update
@@ -219,7 +219,7 @@ def test_the_buckets_group_is_used_once_at_set_up_before_any_backward(monkeypatc
     """NCCL creates a group's communicator at its first operation, and connects each protocol
     at its first use: that happens when every rank builds the overlap, with the sizes of the
     first bucket and the largest one, not in the middle of the first backward."""
-    from lightning_stale.engine.distributed import overlap as overlap_module
+    from lightning_stale.engine.distributed.paths.collective import overlap as overlap_module
 
     calls, real = [], dist.all_reduce
     monkeypatch.setattr(overlap_module.dist, "all_reduce",

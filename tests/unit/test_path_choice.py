@@ -1,12 +1,13 @@
 """Which server path ``server="auto"`` picks, and the refusals of a forced path: the rule of
-`engine.distributed.ranks.choose_path`, measured by benchmarks/scaling.py (README, "Scaling"),
+`engine.distributed.paths.registry.choose_path`, measured by benchmarks/scaling.py (docs/benchmarks/scaling.md),
 and `settle_path`, which asks every rank's shared memory first where the answer decides."""
 
 import pytest
 from torch import nn
 
-from lightning_stale.engine.distributed import lanes, ranks
-from lightning_stale.engine.distributed.ranks import (CROWDED_HOST_COLLECTIVE_MIN_NUMEL, ONE_HOST_COLLECTIVE_MIN_NUMEL,
+from lightning_stale.engine.distributed import lanes
+from lightning_stale.engine.distributed.paths import registry as ranks
+from lightning_stale.engine.distributed.paths.registry import (CROWDED_HOST_COLLECTIVE_MIN_NUMEL, ONE_HOST_COLLECTIVE_MIN_NUMEL,
                                                       ONE_HOST_SHARDED_MIN_P, SCALE_MIN_NUMEL, SHARDED_MIN_TRAFFIC,
                                                       central_if_memory_is_shared, choose_path, settle_path)
 from lightning_stale.method.compensation import StalenessCompensation
@@ -213,6 +214,52 @@ def test_the_overlap_is_no_default_on_nccl(setting, backend, expected):
     ("collective", 3, []),
 ])
 def test_every_direction_a_paths_payloads_take_gets_a_channel(path, p, pairs):
-    from lightning_stale.engine.distributed.channels import channel_pairs
+    from lightning_stale.engine.distributed.paths.registry import channel_pairs
 
     assert channel_pairs(path, p) == pairs
+
+
+def test_an_unknown_path_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="unknown server path 'ring'; choose one of auto, central, collective, sharded"):
+        ranks.check_path("ring", "k_async", "stop", None)
+    with pytest.raises(ValueError, match="unknown server path 'ring'"):
+        ranks.channel_pairs("ring", 2)
+
+
+def test_a_path_is_a_plug_in_that_the_registry_consults(monkeypatch):
+    """A dummy path, known to the registry only: its refusals, channels and overlap are its own."""
+    from lightning_stale.engine.distributed.paths.base import ServerPath
+
+    class Ring(ServerPath):
+        name = "ring"
+
+        def problem(self, variant_name, on_learner_failure, compensation, clips=False):
+            return None if variant_name == "sync" else "server='ring' runs 'sync' only: use server='central'"
+
+        def traffic(self, numel, p, k):
+            return 2 * numel * (p - 1) / p
+
+        def channel_pairs(self, p):
+            return [(r, (r + 1) % p) for r in range(p)]
+
+        def build(self, ctx):
+            raise NotImplementedError
+
+    monkeypatch.setitem(ranks.PATHS, "ring", Ring())
+    ranks.check_path("ring", "sync", "stop", None)
+    with pytest.raises(ValueError, match="runs 'sync' only"):
+        choose_path("ring", Variant.create("k_async", 4, 2), 10, "stop", None)
+    assert ranks.channel_pairs("ring", 3) == [(0, 1), (1, 2), (2, 0)]
+    assert ranks.channel_backend(True, "ring", 3, "gloo", __import__("torch").device("cpu"), "stop", LARGE) == "gloo"
+    assert not ranks.overlap_allreduce(None, "gloo", "ring", Variant.create("sync", 4), None, plain_steps=True)
+    assert ranks.overlap_allreduce(None, "gloo", "collective", Variant.create("sync", 4), None, plain_steps=True)
+
+
+def test_the_cost_models_follow_their_derivations():
+    """Central's rank 0 moves 2N(P - 1) values per P gradients, P times a ring all-reduce's
+    2N(P - 1)/P; sharded moves a ring all-reduce's share where an update takes P gradients."""
+    n, p = 1_000_000, 4
+    central, collective, sharded = (ranks.PATHS[name] for name in ("central", "collective", "sharded"))
+    assert central.traffic(n, p, p) == 2 * n * (p - 1) == p * collective.traffic(n, p, 1)
+    assert collective.traffic(n, p, 1) == collective.traffic(n, p, p) == 2 * n * (p - 1) / p
+    assert sharded.traffic(n, p, p) == collective.traffic(n, p, p) and sharded.traffic(n, p, 1) < central.traffic(n, p, 1)

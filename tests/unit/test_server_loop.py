@@ -17,10 +17,10 @@ from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, INLINE, ON_CHANNEL, SEPARATE, Flag, Kind,
                                                          Message, TransportError, coalesce, payload_text,
                                                          text_payload)
-from lightning_stale.engine.distributed.central import CentralPayloads
+from lightning_stale.engine.distributed.paths.central.sides import CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
-from lightning_stale.engine.distributed.transport import (FRAME_BYTES, INLINE_PAYLOAD_BYTES, ServerEndpoint,
-                                                          decode, encode)
+from lightning_stale.engine.distributed.frames import FRAME_BYTES, INLINE_PAYLOAD_BYTES, decode, encode
+from lightning_stale.engine.distributed.transport import ServerEndpoint
 from lightning_stale.engine.state import ModelVectors, ServerState
 from lightning_stale.method.variants import Variant
 
@@ -150,7 +150,7 @@ def test_the_update_that_ends_an_epoch_answers_with_the_new_count_and_the_epochs
 def test_on_the_collective_path_the_update_that_stops_training_goes_with_the_stop():
     # Learners hold the parameters there: a stop without the last update's payload would leave
     # every learner one update behind the books.
-    from lightning_stale.engine.distributed.collective import CollectivePayloads
+    from lightning_stale.engine.distributed.paths.collective.sides import CollectivePayloads
 
     core = ServerCore(Variant.create("sync", 2), None, ServerLimits(max_updates=2, pushes_per_epoch=8))
     server = ParameterServer(core, CollectivePayloads(overlap=True), "stop")
@@ -538,9 +538,9 @@ def test_a_push_read_in_its_slot_during_an_epochs_end_is_copied_out_and_held(tmp
 def test_a_checkpoints_parts_are_of_one_instant_though_the_server_steps_between_their_reads():
     # Lightning reads the module's state, then the optimizer's, then the books, and writes the
     # file after the server's lock is released; the server steps its optimizer in place meanwhile.
-    from types import SimpleNamespace
 
-    from lightning_stale.strategies.checkpoints import ServerCheckpoint
+    from lightning_stale.engine.distributed.paths.base import CheckpointView
+    from lightning_stale.engine.distributed.paths.central.path import CentralCheckpoint
 
     module = nn.Linear(3, 1, bias=False)
     state = ServerState(module, torch.optim.AdamW(module.parameters(), lr=0.1))
@@ -549,8 +549,7 @@ def test_a_checkpoints_parts_are_of_one_instant_though_the_server_steps_between_
     server.endpoint = RecordingEndpoint()
     server._broadcast(Kind.PARAMS)
     push(server, 1, 0, value=1.0)
-    checkpoint = ServerCheckpoint(SimpleNamespace(_server=server, _final_stats=None, path="central",
-                                                  lightning_module=module))
+    checkpoint = CentralCheckpoint(CheckpointView(server, module))
     weight = state.params[0].detach().clone()
     moment = state.optimizer.state[state.params[0]]["exp_avg"].clone()
     parameters = checkpoint.module_state({})

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_stale.engine.distributed.sharded import ShardLayout
+from lightning_stale.engine.distributed.paths.sharded.owner import ShardLayout
 from lightning_stale.engine.state import ModelVectors
 
 

@@ -14,9 +14,10 @@ from torch import nn
 
 from lightning_stale.engine import streams
 from lightning_stale.engine.core import ServerCore, ServerLimits
-from lightning_stale.engine.distributed import central, learner as learner_module, server as server_module
-from lightning_stale.engine.distributed import sharded
-from lightning_stale.engine.distributed.central import CentralExchange, CentralPayloads
+from lightning_stale.engine.distributed import learner as learner_module, server as server_module
+from lightning_stale.engine.distributed.paths.central import sides as central
+from lightning_stale.engine.distributed.paths.sharded import owner as sharded
+from lightning_stale.engine.distributed.paths.central.sides import CentralExchange, CentralPayloads
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.messages import Kind, Message
 from lightning_stale.engine.distributed.server import ParameterServer
@@ -77,7 +78,7 @@ def test_rank_0s_push_and_its_answer_are_handed_over_with_events(monkeypatch):
     payloads.fill(remote, core, None)  # a host snapshot for another process: nothing to hand over
     assert remote.ready is None and len(recorder.marked) == 2
 
-    learner = Learner(FakeLearnerEndpoint(rank=0), vectors, None)
+    learner = Learner(FakeLearnerEndpoint(rank=0), vectors, None, exchange=CentralExchange(vectors))
     learner.endpoint.inbox.put(answer)
     learner.wait_for_parameters()  # the training thread's stream waits before loading
     assert recorder.received[-1] == (answer.payload, "event 2")

@@ -17,7 +17,7 @@ received payload is handed to its reader with an event (``Message.ready``). A NC
 its operations on a stream of its own too, from PyTorch's pools: the channels' groups ask for the
 most urgent priority level, which neither the default group nor the engine's streams use, so that
 no channel ever shares a stream with another channel or a collective (`channel_backend` in
-`ranks` keeps their number within a pool). A fit that ends cleanly destroys its channels' groups
+`paths.registry` keeps their number within a pool). A fit that ends cleanly destroys its channels' groups
 (`close_channels`).
 
 On the CPU the channels are gloo groups carrying host tensors: the same code, which the tests run
@@ -46,7 +46,7 @@ class Channel:
         self.stream = streams.side_stream(device, ("channel", src, dst))
         self.carried = 0  # payloads sent or received on it (by this rank)
 
-    def send(self, payload: Tensor, ready) -> None:
+    def send(self, payload: Tensor, ready: torch.cuda.Event | None) -> None:
         with streams.on(self.stream):  # (the device first: a sending thread starts on GPU 0)
             if ready is not None:
                 ready.synchronize()  # complete before it is posted: see the module docstring
@@ -59,7 +59,7 @@ class Channel:
         streams.hold(payload, self.stream)
         self.carried += 1
 
-    def recv(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, object]:
+    def recv(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, torch.cuda.Event | None]:
         """The next payload, and the event after which it is there (None off CUDA)."""
         with streams.on(self.stream):
             payload = torch.empty(numel, dtype=dtype, device=self.device)
@@ -71,16 +71,6 @@ class Channel:
 def carried(channels: dict[tuple[int, int], Channel]) -> int:
     """Payloads sent or received on ``channels`` so far (by this rank)."""
     return sum(channel.carried for channel in channels.values())
-
-
-def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
-    """The (sender, receiver) directions a path's payloads take: the central path's between
-    every learner and rank 0, the sharded path's between every two ranks."""
-    if path == "central":
-        return [pair for learner in range(1, p) for pair in ((learner, 0), (0, learner))]
-    if path == "sharded":
-        return [(a, b) for a in range(p) for b in range(p) if a != b]
-    return []
 
 
 def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, device: torch.device,
@@ -144,9 +134,9 @@ def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tupl
             else:
                 work = dist.irecv(value, src=src, group=channel.group)
             # Bounded by the strategy's timeout (a peer that died in set-up; the groups' own is
-            # long: `ranks.CHANNEL_TIMEOUT`), on NCCL by waiting on the host, which an explicit
+            # long: `frames.CHANNEL_TIMEOUT`), on NCCL by waiting on the host, which an explicit
             # timeout asks for.
-            if not work.wait(limit):
+            if work is None or not work.wait(limit):
                 raise TimeoutError(f"rank {rank}: the device channel {src} -> {dst} was not set up "
                                    f"within {limit}")
     if device.type == "cuda":

@@ -1,9 +1,9 @@
 """Large payloads between the server and a learner on the same host, through shared memory.
 
 On the central path every push of a remote learner and every answer to it carries the whole
-model (README, "Where each path's time goes"). Over gloo on one host that is loopback TCP: the
-sender's copy into the kernel waits for the receiving thread to drain the socket, so on busy
-cores a 14 MB push held the learner 8 to 13 ms. A lane is a file in ``/dev/shm`` mapped by both
+model (docs/benchmarks/path_breakdown.md). Over gloo on one host that is loopback TCP: the
+sender's copy into the kernel waits for the receiving thread to drain the socket, which on busy
+cores holds the learner for milliseconds per push. A lane is a file in ``/dev/shm`` mapped by both
 processes: the sender copies the payload into a free slot and sends only the header over gloo
 (``inline`` = `messages.IN_LANE`); the receiving thread copies the payload out and marks the slot free.
 Headers still travel over gloo, in order, so the protocol, its checks and its failure detection
@@ -151,7 +151,7 @@ class LentPayload:
 
     A learner loads the server's parameters straight out of the slot (`use`), where the receiving
     thread would otherwise copy them out first: one copy of the model fewer per answer on the
-    learner's round trip (README, "Where each path's time goes"). The slot is the writer's again
+    learner's round trip (docs/benchmarks/path_breakdown.md). The slot is the writer's again
     once the payload was used, or copied out (`keep`): the reader keeps a payload still unused
     when it takes the next one (`Lane.read`, `Lane.lend`), because the server's sender may soon
     need its slot (a payload held for later, like parameters deferred over a pause, must not
@@ -278,8 +278,8 @@ def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
     if rank == 0:
         for peer, data in enumerate(offers):
             raw = bytes(data.tolist())
-            peer_token, name = int.from_bytes(raw[:8], "little"), raw[8:].rstrip(b"\0").decode(errors="replace")
-            found = LaneFile.open(name, peer_token, slot_bytes) if peer_token else None
+            peer_token, path = int.from_bytes(raw[:8], "little"), raw[8:].rstrip(b"\0").decode(errors="replace")
+            found = LaneFile.open(path, peer_token, slot_bytes) if peer_token else None
             if found is not None:
                 mapped[peer] = found
     has = torch.tensor([peer in mapped for peer in range(len(offers))], dtype=torch.uint8)

@@ -6,8 +6,8 @@ it was computed at, and blocks until the server answers (new parameters, or leav
 message that arrives before the push changes the plan: new parameters cancel the work (sync
 family), the stop ends it, and an epoch's end pauses it.
 
-An epoch's end is a pause of the whole process (docs/method.md, "Setting"; the rule is stated in
-the README): the mini-batch in flight (computed, or in its delay, or waiting for its answer) is
+An epoch's end is a pause of the whole process (docs/method.md, "Setting"; docs/concepts/server.md
+states the rule): the mini-batch in flight (computed, or in its delay, or waiting for its answer) is
 carried into the next epoch and finished first (`resume`); a mini-batch that Lightning starts
 after the epoch ended (its loader had already fetched it) is discarded and counted; the pause is
 excluded from every clock. Validation runs on the server's parameters (`enter_validation`),
@@ -16,11 +16,10 @@ the epoch pauses at that answer (`_absorb`), so what it carries or discards ther
 on when the epoch's message arrives.
 
 Failures: an ABORT from the server, a broken connection, or a server silent for longer than
-``server_timeout`` (heartbeats keep a busy server audible) raise `ServerFailed` (or
-`RunInterrupted` when a signal stopped the run) in the learner's thread. A signal is no failure:
-`interrupt` asks the server to stop the run, the server's INTERRUPT (kept in ``interrupted``)
-comes before its STOP, and the learner leaves through the goodbye protocol; the strategy raises
-`RunInterrupted` after it.
+``server_timeout`` raise `ServerFailed` (`RunInterrupted` for a signal) in the learner's thread.
+A signal is no failure: `interrupt` asks the server to stop the run, its INTERRUPT (kept in
+``interrupted``) comes before its STOP, and the learner leaves through the goodbye protocol.
+Where the learner stands is its `phases.Phase`, moved only as `phases.MOVES` allows.
 """
 
 from __future__ import annotations
@@ -29,62 +28,24 @@ import math
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from lightning_stale.engine import streams
-from lightning_stale.engine.distributed.central import CentralExchange
 from lightning_stale.engine.distributed.clocks import POLL_S, MiniBatchClock, Silence
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
+from lightning_stale.engine.distributed.paths.base import LearnerSide
+from lightning_stale.engine.distributed.phases import Carried, Events, Phase, RunInterrupted, ServerFailed, advance
 from lightning_stale.engine.distributed.transport import LearnerEndpoint
 from lightning_stale.engine.state import ModelVectors
-
-
-class ServerFailed(RuntimeError):
-    """The server, the transport or another learner failed; training cannot go on."""
-
-
-class RunInterrupted(RuntimeError):
-    """A signal (SIGTERM, SIGINT) on some process stopped the run before it finished."""
-
-
-@dataclass
-class _Carried:
-    """A mini-batch in flight at an epoch's end: its push (None: pushed, waiting for the answer),
-    its drawn delay (None: not drawn yet) and how long it already waited."""
-
-    push: Message | None
-    delay: float | None = None
-    waited: float = 0.0
-
-
-@dataclass
-class _Events:
-    """What a batch of server messages meant for the work in progress."""
-
-    refreshed: bool = False  # new parameters: an answer, or a cancellation while computing
-    answered: bool = False  # leave to go on with the parameters held
-    paused: bool = False  # an epoch ended
-    stopped: bool = False
-    epoch_ending: bool = False  # an answer counted one more epoch: its end follows
-
-    def merge(self, other: _Events) -> _Events:
-        for name, value in vars(other).items():
-            setattr(self, name, getattr(self, name) or value)
-        return self
-
-    @property
-    def interrupts(self) -> bool:
-        return self.refreshed or self.stopped
 
 
 class Learner:
     """Args:
         endpoint: this rank's transport.
         vectors: the module's parameters and buffers as flat vectors.
-        exchange: how gradients leave and parameters arrive (`CentralExchange` by default; the
-            all-reduce of `engine.distributed.collective` for the sync family at scale).
+        exchange: how gradients leave and parameters arrive: the path's learner side
+            (`paths.base.LearnerSide`).
         delay: a straggler model (``sample(rank)``), or None.
         waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
             `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
@@ -97,12 +58,11 @@ class Learner:
     """
 
     def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
-                 exchange=None, waits_for_answer: bool = True, delay_is_total: bool = False,
+                 exchange: LearnerSide, waits_for_answer: bool = True, delay_is_total: bool = False,
                  server_error: Callable[[], str | None] = lambda: None,
                  server_timeout: float = 30.0, roll_call: bool = False) -> None:
         self.endpoint, self.vectors, self.delay = endpoint, vectors, delay
-        self.exchange = (CentralExchange(vectors, getattr(endpoint, "push_buffer", None))
-                         if exchange is None else exchange)
+        self.exchange = exchange
         self.waits_for_answer = waits_for_answer
         self.clock = MiniBatchClock(delay_is_total)
         self.rank = endpoint.rank
@@ -110,33 +70,31 @@ class Learner:
         self.version = -1
         self.server_epochs = 0  # epochs the server has ended
         self._epoch_heard: int | None = None  # the epoch count of the server's latest answer
-        self.stopped = False
+        self.phase = Phase.COMPUTING  # where this learner stands (`phases.MOVES`)
         self.stop_requested = False  # this learner asked the server to stop (`request_stop`)
         self.cancelled = 0  # mini-batches computed and never pushed
         self.delays: list[float] = []
         self.pushes = 0
         self.last_x = math.nan  # the latest pushed mini-batch's time X, as the server saw it
-        self.paused_at: float | None = None  # the server ended an epoch; training is paused
-        self.carried: _Carried | None = None
+        self.paused_at: float | None = None  # when the server's epoch's end paused this learner
+        self.carried: Carried | None = None
         self._deferred: list[Message] = []  # parameters that arrived during a pause
         self.dead_learners = 0  # learners the server has lost (on_learner_failure="continue")
         self.roll_call = roll_call
         self._reported: int | None = None  # the latest epoch whose end this learner reported
         self._roll_answered = 0  # the latest epoch whose roll call the server answered
-        self._left = False  # said goodbye: nothing more goes to the server
         self.interrupted: str | None = None  # the signal that stopped the run, as the server said
         self._validation_state: torch.Tensor | None = None  # the server's, for validation
         self._own_state: torch.Tensor | None = None  # ours, while validating
-        self._raised: str | None = None
+        self._raised: str | None = None  # why this learner failed (it is then FAILED)
         self._told_server: str | None = None  # the ABORT this learner sent
         self._poll, self._watch = Silence(endpoint), Silence(endpoint)  # this thread's, the watchdog's
 
     # ------------------------------------------------------------------ waiting
     @property
     def failure(self) -> str | None:
-        """Why the run failed, as far as this learner knows: what it raised, the server's ABORT
-        or a broken connection, or a server silent for longer than ``server_timeout``. Safe to
-        call from another thread (the watchdog's); `_wait` raises the same in the learner's."""
+        """Why the run failed, as far as this learner knows (what it raised, the server's ABORT, a
+        broken connection, a silent server); safe from another thread (the watchdog's)."""
         if self._raised or self.endpoint.failure:
             return self._raised or self.endpoint.failure
         silent = self._watch.silent_for()
@@ -144,26 +102,22 @@ class Learner:
             return f"learner {self.rank}: no message from the server for {silent:.0f} s"
         return None
 
-    def _silent_for(self) -> float:
-        return self._poll.silent_for()
-
     def _check_health(self) -> None:
         """Raise if the server failed or went silent (while waiting for anything)."""
         error = self._server_error()
-        silent = self._silent_for()
+        silent = self._poll.silent_for()
         if not error and not self.endpoint.local and silent > self.server_timeout:
             error = (f"learner {self.rank}: no message from the server for {silent:.0f} s: "
                      "its process is gone or frozen")
         error = error or self.endpoint.failure
         if error:
-            self._raised = error
-            raise ServerFailed(error)
+            raise ServerFailed(self._fail(error))
 
     def _wait(self, timeout: float | None) -> list[Message]:
         """The server's messages other than heartbeats, blocking up to ``timeout`` seconds
         (None: until one arrives); raises if the server failed or went silent."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._silent_for()
+        self._poll.silent_for()
         while True:
             remaining = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if remaining <= 0:
@@ -185,25 +139,22 @@ class Learner:
             except queue.Empty:
                 return [m for m in messages if m.kind != Kind.HEARTBEAT]
 
-    def _absorb(self, messages: list[Message]) -> _Events:
+    def _absorb(self, messages: list[Message]) -> Events:
         """What ``messages`` mean for the work in progress, taken in order. An answer that counts
-        one more epoch than the last is the update that ended it, and the server's EPOCH follows
-        it at once: it is waited for here, so the learner pauses at that update, before its
-        loader draws another mini-batch. (Were the pause to begin whenever the EPOCH happened to
-        arrive, whether the next mini-batch started before it, and was carried into the next
-        epoch, or after it, and was discarded, would depend on timing: two runs of a Fully sync
-        fit with the same seeds would differ after the first epoch's end.)"""
+        one more epoch than the last ended it, and the server's EPOCH follows at once: it is
+        waited for here, so the learner pauses at that update, before its loader draws another
+        mini-batch (else what is carried or discarded there would depend on timing)."""
         events = self._take(messages)
         while events.epoch_ending and not (events.paused or events.stopped or self.paused):
             events.merge(self._take(self._wait(None)))
         return events
 
-    def _take(self, messages: list[Message]) -> _Events:
-        events = _Events()
+    def _take(self, messages: list[Message]) -> Events:
+        events = Events()
         for m in messages:
             streams.receive(m.payload, m.ready)  # from the server's stream (rank 0, on a GPU)
             if m.kind in (Kind.FAILED, Kind.ABORT):
-                self._raised = m.error
+                self._fail(m.error)
                 raise (RunInterrupted if m.flags & Flag.INTERRUPTED else ServerFailed)(m.error)
             if m.kind == Kind.INTERRUPT:  # the server's STOP follows
                 self.interrupted = self.interrupted or m.error
@@ -213,7 +164,7 @@ class Learner:
                 self._roll_answered = max(self._roll_answered, m.epoch)
                 continue
             if m.kind == Kind.EPOCH:
-                if self.roll_call and not self._left and (self._reported or 0) < m.epoch:
+                if self.roll_call and self.phase not in (Phase.LEFT, Phase.DONE) and (self._reported or 0) < m.epoch:
                     self._reported = m.epoch
                     self._send(Message(Kind.PRESENT, version=self.version, epoch=m.epoch))
                 self.exchange.resolve(m, self._check_health)
@@ -225,6 +176,8 @@ class Learner:
                 self._validation_state = m.payload
                 if self.paused_at is None:
                     self.paused_at = time.monotonic()
+                if self.phase in (Phase.COMPUTING, Phase.PUSHED):
+                    self._to(Phase.PAUSED)
                 events.paused = True
                 continue
             if m.kind == Kind.PARAMS and self.paused:
@@ -247,7 +200,8 @@ class Learner:
             events.refreshed |= m.kind == Kind.PARAMS
             events.answered |= m.kind == Kind.CONTINUE
             if m.kind == Kind.STOP:
-                self.stopped = events.stopped = True
+                events.stopped = True
+                self._to(Phase.DONE if self.phase is Phase.LEFT else Phase.STOPPED)
         return events
 
     def wait_for_parameters(self) -> None:
@@ -257,15 +211,12 @@ class Learner:
         self.clock.restart()
 
     def stop_heard(self) -> bool:
-        """Whether the server's STOP has reached this learner, taken or not. Messages looked at
-        here stay queued, in order, for `resume` or `close` to take (taking parameters now
-        could cross validation's collectives); a failure raises at once."""
+        """Whether the server's STOP has come, taken or not (what came waits, in order)."""
         self._set_aside(self._drain())
         return self._stop_waits()
 
     def _set_aside(self, messages: list[Message]) -> None:
-        """Messages looked at during a pause: a failure raises at once, the roll call's answer is
-        taken, the others wait for `resume` or `close`, in order."""
+        """During a pause: a failure raises, the roll call's answer is taken, the rest waits."""
         for m in messages:
             if m.kind in (Kind.FAILED, Kind.ABORT, Kind.PRESENT):
                 self._take([m])  # (a failure raises)
@@ -276,6 +227,20 @@ class Learner:
         return self.stopped or any(m.kind == Kind.STOP for m in self._deferred)
 
     # ------------------------------------------------------------------ one step
+    @property
+    def stopped(self) -> bool:
+        """The server's STOP was taken: training is over."""
+        return self.phase in (Phase.STOPPED, Phase.DONE)
+
+    def _to(self, phase: Phase) -> None:
+        self.phase = advance(self.phase, phase)
+
+    def _fail(self, reason: str) -> str:
+        """This learner fails, for ``reason`` (which this returns)."""
+        self._raised = reason
+        self._to(Phase.FAILED)
+        return reason
+
     @property
     def paused(self) -> bool:
         return self.paused_at is not None
@@ -296,7 +261,7 @@ class Learner:
 
     def _push_message(self, loss: float, samples: int, unusable: str | None) -> Message:
         message = Message(Kind.PUSH, version=self.version, samples=samples,
-                          loss=loss if math.isfinite(loss) else float("nan"))
+                          loss=loss if math.isfinite(loss) else math.nan)
         if unusable is not None:
             message.flags, message.error = Flag.UNUSABLE, unusable
         else:
@@ -308,9 +273,9 @@ class Learner:
         if self.stopped:
             self.cancelled += 1
             return True
-        if self.paused:
+        if self.paused_at is not None:  # (paused)
             if self.carried is None and started_at < self.paused_at:
-                self._carry(_Carried(push))  # in flight when the epoch ended
+                self._carry(Carried(push))  # in flight when the epoch ended
             else:
                 self.cancelled += 1  # started after the epoch's end
             return True
@@ -319,31 +284,28 @@ class Learner:
             self.cancelled += 1
             return True
         if events.paused:
-            self._carry(_Carried(push))
+            self._carry(Carried(push))
             return True
-        return self._delay_and_push(_Carried(push))
+        return self._delay_and_push(Carried(push))
 
     def _send(self, message: Message) -> None:
-        """Send to the server. A connection that breaks under the send (the server's process
-        died before the receiving thread noticed) is the run's failure, named as that thread
-        names it, not gloo's bare error."""
+        """Send to the server; a connection that breaks under the send is the run's failure, named
+        as the receiving thread names it, not gloo's bare error."""
         try:
             self.endpoint.push(message)
         except Exception as exc:
             if self.endpoint.local:  # (a call into the server thread's queue: no connection)
                 raise
-            self._raised = self.endpoint.connection_broke(exc)
-            raise ServerFailed(self._raised) from exc
+            raise ServerFailed(self._fail(self.endpoint.connection_broke(exc))) from exc
 
-    def _carry(self, work: _Carried) -> None:
-        """Keep ``work`` for after the epoch's end. Its push leaves after validation, and Lightning
-        zeroes the gradients before validation (``on_validation_model_zero_grad``), so whatever
-        the push carries is taken out of the module now (`exchange.carry`)."""
+    def _carry(self, work: Carried) -> None:
+        """Keep ``work`` for after the epoch's end: Lightning zeroes the gradients before
+        validation, so what its push carries is taken out of the module now (`exchange.carry`)."""
         if work.push is not None:
             self.exchange.carry(work.push)
         self.carried = work
 
-    def _delay_and_push(self, work: _Carried) -> bool:
+    def _delay_and_push(self, work: Carried) -> bool:
         if self.delay is not None:
             if work.delay is None:
                 work.delay = self.delay.sample(self.rank)
@@ -358,36 +320,37 @@ class Learner:
             if events.paused:
                 self._carry(work)
                 return True
+        push = work.push
+        assert push is not None, "the work's push is still to leave"
         self.pushes += 1
         self.last_x = self.clock.elapsed()
-        self.exchange.before_push(work.push)
+        self.exchange.before_push(push)
         self.clock.pushed()
-        self._send(work.push)
-        self.exchange.after_push(work.push)
+        self._send(push)
+        self.exchange.after_push(push)
         if not self.waits_for_answer:
             return False
+        self._to(Phase.PUSHED)
         return self._await_answer()
 
     def _await_answer(self) -> bool:
         while True:
             events = self._absorb(self._wait(None))
             if events.refreshed or events.answered or events.stopped:
+                if self.phase is Phase.PUSHED:
+                    self._to(Phase.COMPUTING)
                 return True
             if events.paused:
-                self.carried = _Carried(None)
+                self.carried = Carried(None)
                 return True
 
     # ------------------------------------------------------------------ epochs
     def confirm_epoch_end(self, timeout: float) -> None:
         """Paused at an epoch's end, wait for the server's answer to the roll call (``roll_call``):
-        every learner still alive has reported, one that died before is counted in
-        ``dead_learners``. Lightning's collectives on the default process group follow (validation,
-        the epoch's end), and a death the server noticed only after the epoch's end would fail
-        them. Messages other than the answer wait for `resume`, in order, as during the pause; a
-        STOP ends the wait (no more learners are removed after it). A learner frozen before it
-        reported holds the answer up: after ``timeout`` seconds (the bound of those collectives)
-        this raises `TimeoutError`, which the strategy reports to the server as this learner's
-        failure, ending the run."""
+        every learner alive has reported, the dead are counted in ``dead_learners``, before
+        Lightning's collectives (which a death noticed later would fail). Other messages wait
+        for `resume`, in order; a STOP ends the wait. A learner frozen before it reported holds
+        the answer up: after ``timeout`` seconds (those collectives' bound) `TimeoutError`."""
         epoch, deadline = self._reported, time.monotonic() + timeout
         while epoch is not None and self._roll_answered < epoch and not self._stop_waits():
             remaining = deadline - time.monotonic()
@@ -405,8 +368,8 @@ class Learner:
             self.vectors.load_state(self._validation_state)
 
     def resume(self) -> None:
-        """Training goes on after an epoch's end: back to our own parameters, the pause taken
-        off the clock, and the carried mini-batch finished first."""
+        """Training goes on after an epoch's end: own parameters back, the pause off the clock,
+        the carried mini-batch finished first."""
         if self._own_state is not None:
             self.vectors.load_state(self._own_state)
             self._own_state = None
@@ -414,6 +377,8 @@ class Learner:
         if self.paused_at is not None:
             self.clock.resume(time.monotonic() - self.paused_at)
             self.paused_at = None
+        if self.phase is Phase.PAUSED:
+            self._to(Phase.COMPUTING)
         deferred, self._deferred = self._deferred, []
         events = self._absorb(deferred + self._drain())  # what came during the pause, in order
         work, self.carried = self.carried, None
@@ -423,6 +388,7 @@ class Learner:
         try:
             if work.push is None:  # waiting for the answer to its push
                 if not (events.refreshed or events.answered):
+                    self._to(Phase.PUSHED)
                     started_by_server = self._await_answer()
             elif events.interrupts:
                 self.cancelled += 1  # an update made it stale while it was paused
@@ -433,15 +399,14 @@ class Learner:
 
     # ------------------------------------------------------------------ leaving
     def close(self, timeout: float) -> None:
-        """Say goodbye (with the delays drawn and the work never pushed), then wait for the
-        server's stop."""
+        """Say goodbye (the delays drawn, the work never pushed), then wait for the server's stop."""
         if self.carried is not None and self.carried.push is not None:
             self.cancelled += 1  # carried past the last epoch: never pushed
         self.carried = None
         deferred, self._deferred = self._deferred, []
         self._absorb(deferred)  # a STOP heard at the epoch's end may wait among them
         delays = torch.tensor(self.delays, dtype=torch.float64) if self.delays else None
-        self._left = True
+        self._to(Phase.DONE if self.stopped else Phase.LEFT)
         self._send(Message(Kind.BYE, version=self.version, cancelled=self.cancelled, payload=delays))
         deadline = time.monotonic() + timeout
         while not self.stopped:
@@ -452,32 +417,28 @@ class Learner:
         self.endpoint.join(timeout)
 
     def request_stop(self) -> None:
-        """Ask the server to stop training for everyone (this learner's Trainer wants to stop);
-        the learner trains on until the server's STOP, so that every learner stops on it."""
+        """Ask the server to stop training for everyone; train on until its STOP."""
         if not (self.stop_requested or self.stopped):
             self.stop_requested = True
             self._send(Message(Kind.HALT, version=self.version))
 
     def interrupt(self, reason: str) -> None:
-        """Ask the server to stop the run for everyone (``reason`` names the signal); training
-        then ends through the goodbye protocol."""
+        """Ask the server to stop the run for everyone (``reason``: the signal), then leave."""
         self.endpoint.push(Message(Kind.INTERRUPT, version=self.version, error=reason,
                                    payload=text_payload(reason)))
 
     def abort(self, reason: str, interrupted: bool = False) -> None:
-        """Tell the server this learner cannot go on (``reason`` names the error or signal);
-        once only: the server stops listening to a learner after its abort, and after it has
-        told the learner about a failure. ``failure`` holds the reason from then on."""
+        """Tell the server, once, that this learner cannot go on (``reason``: the error or signal);
+        the learner has FAILED from then on, ``failure`` holding the reason."""
         if self._raised:
             return
-        self._raised = reason
+        self._fail(reason)
         self._tell_server(reason, Flag.INTERRUPTED if interrupted else 0)
 
     def leave_after_failure(self) -> None:
-        """After the run failed, tell the server this learner is gone (an ABORT, unless it sent
-        its own), so that the server's thread receiving from it ends before the processes exit: a
-        thread left blocked in a gloo receive when Python exits aborts the process (SIGABRT).
-        Only to a server known to be alive (it sent the ABORT): a send to a frozen one blocks."""
+        """After the run failed, tell a server known to be alive (it sent the ABORT) that this
+        learner is gone, so that its receiving thread ends before the processes exit (one left
+        blocked in a gloo receive at exit aborts the process)."""
         if self._told_server or self.endpoint.local or not self.endpoint.server_aborted:
             return
         self._tell_server(f"learner {self.rank} left after the failure: {self.failure}")

@@ -13,9 +13,13 @@ import operator
 import struct
 from dataclasses import dataclass, replace
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # (lanes imports this module)
+    from lightning_stale.engine.distributed.lanes import LentPayload
 
 MAGIC = 0x5354414C45  # "STALE"
 PROTOCOL = 5
@@ -62,7 +66,7 @@ class Kind(IntEnum):
     EPOCH = 7  # server -> learner: an epoch ended; payload = the parameters to validate
     ABORT = 8  # either way: the run failed or was interrupted; payload = the reason (utf-8)
     HEARTBEAT = 9  # server -> learner: the server is alive (sent when it has nothing else to say)
-    # The sharded path (engine.distributed.sharded): data between learners and shard owners,
+    # The sharded path (engine.distributed.paths.sharded): data between learners and shard owners,
     # and the server's orders to the owners.
     PIECE = 10  # learner -> owner: its part of push ``seq`` (gradients, buffers, presence)
     SLICE = 11  # owner -> learner: its part of the parameters of ``version``, for ``delivery``
@@ -152,16 +156,16 @@ class Message:
     error: str = ""
     caused_at: float = 0.0
     received_at: float = 0.0
-    lent: object | None = None
-    ready: object | None = None
+    lent: LentPayload | None = None
+    ready: torch.cuda.Event | None = None
 
 
 def encode_header(message: Message, payload: Tensor | None, inline: int) -> bytes:
     """``inline``: where the payload travels (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`)."""
     numel, dtype = (0, 0) if payload is None else (payload.numel(), _DTYPE_CODES.get(payload.dtype))
     if dtype is None:
-        raise ValueError(f"a payload of dtype {payload.dtype} cannot travel; the header carries "
-                         f"{', '.join(map(str, DTYPES))}")
+        raise ValueError(f"a payload of dtype {payload.dtype if payload is not None else None} cannot "
+                         f"travel; the header carries {', '.join(map(str, DTYPES))}")
     return _STRUCT.pack(MAGIC, PROTOCOL, int(message.kind), *_ints_of(message), numel, dtype, int(inline),
                         *_floats_of(message))
 

@@ -47,7 +47,7 @@ class ParameterServer:
 
     Args:
         core: the decisions, state and books; its clock is ``time.monotonic()``.
-        payloads: what pushes and answers carry (`CentralPayloads`, or the collective path's).
+        payloads: what pushes and answers carry: the path's server side (`paths.base.ServerSide`).
         on_learner_failure: "stop" (a learner that dies ends the run) or "continue".
         heartbeat_s: a learner that heard nothing for this long gets a heartbeat.
     """
@@ -75,6 +75,11 @@ class ParameterServer:
         self.stream = streams.side_stream(device, streams.SERVER)
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def _out(self) -> ServerEndpoint:
+        assert self.endpoint is not None, "the server sends once started"
+        return self.endpoint
+
     def start(self, endpoint: ServerEndpoint) -> None:
         self.endpoint = endpoint
         self._cause = time.monotonic()
@@ -142,7 +147,7 @@ class ParameterServer:
                     event = self.events.get(timeout=self.heartbeat_s)
                 except queue.Empty:
                     event = None
-                self.endpoint.heartbeat(self.heartbeat_s)
+                self._out.heartbeat(self.heartbeat_s)
                 if event is not None:
                     self._handle(event)
         except BaseException as exc:  # noqa: BLE001 - every learner must hear why
@@ -251,7 +256,7 @@ class ParameterServer:
             self._abort(f"learner {learner} died: {event.error}{why}")
             return
         log.warning("learner %d died (%s); training goes on without it", learner, event.error)
-        self.endpoint.forget(learner)
+        self._out.forget(learner)
         with self.lock:
             outcome = self.core.remove_learner(learner, time.monotonic())
             self._answer(outcome)
@@ -270,7 +275,7 @@ class ParameterServer:
             del self._present[epoch]
             dead = len(self.core.rules.counts.dead_learners)
             for learner in sorted(alive):
-                self.endpoint.send(learner, Message(Kind.PRESENT, learner, self.core.version, epoch, dead=dead))
+                self._out.send(learner, Message(Kind.PRESENT, learner, self.core.version, epoch, dead=dead))
 
     def _answer(self, outcome: Outcome) -> None:
         if outcome.update is not None:
@@ -308,7 +313,7 @@ class ParameterServer:
                 return
         self.interruption = reason
         for learner in self.core.rules.alive:
-            self.endpoint.send(learner, Message(Kind.INTERRUPT, learner, error=reason,
+            self._out.send(learner, Message(Kind.INTERRUPT, learner, error=reason,
                                                 payload=text_payload(reason)))
         self._stop()
 
@@ -320,13 +325,13 @@ class ParameterServer:
         with self.lock:
             self.core.stop()
         for learner in self.core.rules.alive:
-            self.endpoint.send(learner, Message(Kind.ABORT, learner, error=reason,
+            self._out.send(learner, Message(Kind.ABORT, learner, error=reason,
                                                 flags=Flag.INTERRUPTED if interrupted else 0,
                                                 payload=text_payload(reason)))
 
     # ------------------------------------------------------------------ sending
     def _send(self, learner: int, kind: Kind, decision: Decision | None = None) -> None:
-        self.endpoint.send(learner, self._message(learner, kind, decision))
+        self._out.send(learner, self._message(learner, kind, decision))
 
     def _message(self, learner: int, kind: Kind, decision: Decision | None = None) -> Message:
         core = self.core
@@ -346,7 +351,7 @@ class ParameterServer:
         stops = [self._message(learner, Kind.STOP, decision) for learner in self.core.rules.alive]
         self.payloads.on_stop()
         for message in stops:
-            self.endpoint.send(message.learner, message)
+            self._out.send(message.learner, message)
 
     def gather(self, request: int) -> None:
         """Have the payloads collect the model's state where it is spread (sharded path)."""

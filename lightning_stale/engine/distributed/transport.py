@@ -2,12 +2,9 @@
 
 Remote learners talk to the server over point-to-point gloo operations on a dedicated process
 group of its own (CPU tensors, so a NCCL default group is untouched, and Lightning's collectives
-on the default group never interleave with server traffic). A
-message is one frame: the header (`messages.HEADER`) with the payload behind it when the payload
-is small (up to INLINE_PAYLOAD_BYTES), else the header alone followed by the payload as a second
-gloo message, or, between the server and a learner on the same host, with the payload in
-shared memory (`lanes`; the central path's pushes and answers carry the whole model). The
-receiver posts a FRAME_BYTES buffer; gloo accepts a shorter message into it.
+on the default group never interleave with server traffic). A message is one frame, its
+payload inside it, behind it over gloo, in shared memory or on a device channel: the routes a
+rank has are chosen once, by `frames.open_routes`, and `frames.send`/`frames.recv` take them.
 The learner on the server's own rank uses in-process queues instead: gloo cannot send to oneself.
 
 Blocking is kept off the decision loop and away from other learners: every remote learner has
@@ -25,126 +22,29 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from lightning_stale.engine import streams
 from lightning_stale.engine.distributed.channels import Channel, carried
+from lightning_stale.engine.distributed.frames import FRAME_BYTES, PayloadRoutes, recv, send
 from lightning_stale.engine.distributed.lanes import Lane, LaneClosed
 from lightning_stale.engine.distributed.messages import (
-    HEADER_BYTES,
-    IN_LANE,
-    INLINE,
     INLINE_PAYLOAD_BYTES,
-    ON_CHANNEL,
     OWNER_KINDS,
-    SEPARATE,
     Kind,
     Message,
-    TransportError,
     coalesce,
-    decode_header,
-    encode_header,
     payload_text,
 )
 
+__all__ = ["FRAME_BYTES", "INLINE_PAYLOAD_BYTES", "LearnerEndpoint", "PayloadRoutes", "ServerEndpoint", "recv",
+           "send"]
+
 UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and server->learner
-FRAME_BYTES = HEADER_BYTES + INLINE_PAYLOAD_BYTES
 # The largest payloads a receiver accepts besides the model's own size: a goodbye's delays, and
 # the reason of an abort (utf-8 bytes).
 MAX_REPORT_VALUES = 1 << 26
 MAX_REASON_BYTES = 1 << 16
 _LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these on a downlink
-
-
-def _carrier(payload: Tensor | None, channel: Channel | None) -> Channel | None:
-    """``channel`` where it carries ``payload``'s kind of device (a host payload, e.g. a report
-    or saved optimizer state, goes over gloo where the channel is NCCL's)."""
-    if payload is None or channel is None or payload.device.type != channel.device.type:
-        return None
-    return channel
-
-
-def encode(message: Message, lane: Lane | None = None,
-           closed: Callable[[], str | None] = lambda: None,
-           channel: Channel | None = None) -> tuple[Tensor, Tensor | None]:
-    """The frame to send first (header, and the payload if it is small) and the payload to send
-    after it (on ``channel``, where there is one), or None. A large payload goes on ``channel``
-    where there is one, else into ``lane`` where it fits (waiting for a free slot until
-    ``closed`` gives a reason); a CUDA payload that does not go on a channel is copied to host
-    memory first."""
-    payload = None if message.payload is None else message.payload.reshape(-1)
-    nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-    channel = _carrier(payload, channel)
-    if payload is not None and payload.is_cuda and (channel is None or nbytes <= INLINE_PAYLOAD_BYTES):
-        payload = streams.to_host(payload, message.ready)
-    where = (SEPARATE if payload is None else INLINE if nbytes <= INLINE_PAYLOAD_BYTES else
-             ON_CHANNEL if channel is not None else
-             IN_LANE if lane is not None and lane.carries(nbytes) else SEPARATE)
-    frame = torch.empty(HEADER_BYTES + (nbytes if where == INLINE else 0), dtype=torch.uint8)
-    frame[:HEADER_BYTES] = torch.frombuffer(bytearray(encode_header(message, payload, where)),
-                                            dtype=torch.uint8)
-    if where == INLINE:
-        frame[HEADER_BYTES:].view(payload.dtype).copy_(payload)
-        return frame, None
-    if where == IN_LANE:
-        lane.write(payload, closed)
-        return frame, None
-    return frame, payload
-
-
-def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
-    """The message of a received frame, its payload's size and dtype, and where the payload is
-    (`SEPARATE`, `INLINE`: then it is set on the message, as a copy, or `IN_LANE`)."""
-    message, numel, dtype, where = decode_header(frame.numpy(), sender, max_numel)  # (read in place)
-    if numel and where == INLINE:
-        nbytes = numel * dtype.itemsize
-        if HEADER_BYTES + nbytes > frame.numel():
-            raise TransportError(f"{sender} announced an inline payload of {nbytes} bytes, larger "
-                                 "than a frame")
-        message.payload = frame[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).clone()
-    return message, numel, dtype, where
-
-
-def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | None = None,
-         closed: Callable[[], str | None] = lambda: None, channel: Channel | None = None) -> None:
-    frame, payload = encode(message, lane, closed, channel)
-    dist.send(frame, dst=dst, group=group, tag=tags[0])
-    channel = _carrier(payload, channel)
-    if payload is not None and channel is not None:  # (a payload left by encode goes on it)
-        channel.send(payload, message.ready)
-    elif payload is not None:
-        dist.send(payload.contiguous(), dst=dst, group=group, tag=tags[1])
-
-
-def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
-         buffer: Tensor | None = None, lane: Lane | None = None, lend: tuple[Kind, ...] = (),
-         channel: Channel | None = None) -> Message:
-    """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop;
-    ``lane``: the sender's shared-memory lane to this process, if any; messages of the kinds in
-    ``lend`` keep their payload there (`Lane.lend`); ``channel``: the sender's channel to this
-    process, if any (its payloads come with ``Message.ready``)."""
-    frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
-    dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
-    message, numel, dtype, where = decode(frame, sender, max_numel)
-    if numel and where == IN_LANE:
-        if lane is None:
-            raise TransportError(f"{sender} sent a payload through shared memory, which this "
-                                 "process does not share with it")
-        if message.kind in lend:
-            lane.lend(message, numel, dtype)
-        else:
-            message.payload = lane.read(numel, dtype)
-    elif numel and where == ON_CHANNEL:
-        if channel is None:
-            raise TransportError(f"{sender} sent a payload on a device channel, which this process "
-                                 "has not opened with it")
-        message.payload, message.ready = channel.recv(numel, dtype)
-    elif numel and where == SEPARATE:
-        message.payload = torch.empty(numel, dtype=dtype)
-        dist.recv(message.payload, src=src, group=group, tag=tags[1])
-    message.received_at = time.monotonic()
-    return message
 
 
 class ServerEndpoint:
@@ -186,7 +86,7 @@ class ServerEndpoint:
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
         self._last_sent = {r: time.monotonic() for r in range(num_learners)}
         # (a sender marks each message done once sent: `place_for` reads what is left to send)
-        self._outboxes = {r: queue.Queue() for r in range(1, num_learners)}
+        self._outboxes: dict[int, queue.Queue[Message | None]] = {r: queue.Queue() for r in range(1, num_learners)}
         self._closed: set[int] = set()  # learners that left, died or were told to stop
         self._threads = []
         for r in self._outboxes:
@@ -210,7 +110,9 @@ class ServerEndpoint:
         if learner == 0:
             self._stamp(0, message)
             message.received_at = time.monotonic()
-            (self.local_owner if message.kind in OWNER_KINDS else self.local_inbox).put(message)
+            to = self.local_owner if message.kind in OWNER_KINDS else self.local_inbox
+            assert to is not None, "orders go only to a rank with a shard owner"
+            to.put(message)
         else:
             self._outboxes[learner].put(message)
 
@@ -300,7 +202,7 @@ class ServerEndpoint:
                     pending.append(outbox.get_nowait())
                 if None in pending:  # forgotten
                     return
-                for message in coalesce(pending):
+                for message in coalesce([m for m in pending if m is not None]):
                     self._stamp(learner, message)
                     send(message, learner, self.group, (DOWN, DOWN_DATA), lane, closed, channel)
                     if message.kind in _LAST:
@@ -408,7 +310,9 @@ class LearnerEndpoint:
                     self.server_aborted = True
                 elif message.kind == Kind.INTERRUPT:
                     message.error = self.interrupted = payload_text(message.payload)
-                (self.owner if message.kind in OWNER_KINDS else self.inbox).put(message)
+                to = self.owner if message.kind in OWNER_KINDS else self.inbox
+                assert to is not None, "orders come only to a rank with a shard owner"
+                to.put(message)
                 if message.kind in _LAST:
                     return
         except Exception as exc:  # noqa: BLE001 - surfaces in the learner's next wait

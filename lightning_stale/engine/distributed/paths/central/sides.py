@@ -1,9 +1,6 @@
-"""The central path: the server on rank 0 holds the parameters (`engine.distributed.ranks`).
-
-Both sides of it: `CentralExchange`, how a learner meets such a server (a push carries the
-gradient, an answer the parameters), and `CentralPayloads`, what the server's messages carry.
-The collective and sharded paths offer the same two objects (`engine.distributed.collective`,
-`engine.distributed.sharded`).
+"""The central path's two sides: `CentralExchange`, how a learner meets a server that holds
+the parameters (a push carries the gradient, an answer the parameters), and `CentralPayloads`,
+what the server's messages carry (`paths.base` declares both).
 """
 
 from __future__ import annotations
@@ -15,11 +12,12 @@ import torch
 from lightning_stale.engine import streams
 from lightning_stale.engine.core import ServerCore
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
+from lightning_stale.engine.distributed.paths.base import LearnerSide, ServerSide
 from lightning_stale.engine.state import Contribution, ModelVectors
 from lightning_stale.method.rules import Decision
 
 
-class CentralExchange:
+class CentralExchange(LearnerSide):
     """How a learner meets a server that holds the parameters: a push carries the gradient (and
     the learner's buffers), new parameters arrive as a vector.
 
@@ -27,8 +25,6 @@ class CentralExchange:
     process; the module's own device for rank 0's learner, which hands its pushes to the server
     thread beside it by reference, so that on a GPU they never leave it (the server answers it
     on its device too, `CentralPayloads`)."""
-
-    schedules = None  # the server steps the LR schedulers
 
     def __init__(self, vectors: ModelVectors,
                  buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
@@ -58,6 +54,7 @@ class CentralExchange:
         """Complete a message's parameters, where they come in parts."""
 
     def take(self, message: Message) -> None:
+        """The parameters, from the message's payload or straight from its shared-memory slot."""
         if message.lent is not None:  # still in its shared-memory slot: loaded from there
             message.lent.use(self.vectors.load_state)
         elif message.payload is not None:
@@ -68,16 +65,17 @@ class CentralExchange:
         of threads still running."""
         return []
 
+    def release(self) -> None:
+        """Nothing hooked on the module."""
 
-class CentralPayloads:
+
+class CentralPayloads(ServerSide):
     """What travels when the server holds the parameters: a push carries the gradient (split by
     ``vectors``), and every message that refreshes, pauses or stops a learner carries the
     server's parameters and buffers.
 
-    Every path's payloads offer the same hooks: what the core keeps of a push
-    (`contribution`), what a message to a learner carries (`fill`), and what happens besides
-    at an update, when schedulers are due, and at the stop (`on_update`, `on_schedule`,
-    `on_stop`; nothing here: the core's state does it all).
+    What happens besides at an update, when schedulers are due, and at the stop: nothing here
+    (the core's state does it all).
 
     ``on_device``: the learners answered with parameters on the server's device: rank 0's
     learner, beside the server (nothing crosses the bus for it), and those with device channels
@@ -87,7 +85,7 @@ class CentralPayloads:
     answer that refreshes one learner alone (the async family's, mostly) is written straight into
     that learner's next slot where it is free, instead of into a snapshot that the learner's
     sending thread then copies there: one copy of the model fewer per answer, on the path that
-    sets the async family's pace (README, "Where each path's time goes"). Where a version goes
+    sets the async family's pace (docs/benchmarks/path_breakdown.md). Where a version goes
     to several learners, they share one snapshot as before: its copies into their slots run on
     their sending threads, beside the server's.
     """
@@ -97,7 +95,12 @@ class CentralPayloads:
                  on_device: frozenset[int] = frozenset({0})) -> None:
         self.vectors, self.place_for, self.on_device = vectors, place_for, on_device
 
+    def attach(self, endpoint) -> None:
+        if endpoint.lane_learners:  # answers may go straight into a learner's next slot
+            self.place_for = endpoint.place_for
+
     def contribution(self, message: Message) -> Contribution:
+        assert message.payload is not None, "a usable push carries its gradient"
         streams.receive(message.payload, message.ready)  # rank 0's push, on a GPU
         return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
 
@@ -105,6 +108,7 @@ class CentralPayloads:
         if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
             return
         state, version = core.state, core.version
+        assert state is not None, "the central server holds the model"
         if message.learner in self.on_device:  # never through the host
             message.payload = state.snapshot(version, state.vectors.device)
             message.ready = streams.mark(message.payload)  # made on the server's stream

@@ -1,13 +1,12 @@
 """The sync family's all-reduce started during backward, in buckets, as DDP does it.
 
-On the collective path (`engine.distributed.collective`) a learner reduces its gradient only
+On the collective path (`collective.sides`) a learner reduces its gradient only
 once the server has named the gradients an update takes. Where the update is known in advance,
 that wait costs the whole all-reduce on top of the backward pass: in Fully sync and in K-sync
 with K = P (docs/method.md, "The six variants") every update takes exactly one gradient from
 every learner, the one each computed on the parameters of the update before. So there, as in
 DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", VLDB 2020; the README, "How the parameter server runs", the collective path, and
-its measurements under "Scaling"), each parameter's gradient is copied, weighted 1/P, into a
+Training", VLDB 2020; measured on docs/benchmarks/scaling.md), each parameter's gradient is copied, weighted 1/P, into a
 bucket of a flat vector as soon as backward has produced it, and a bucket goes round the
 all-reduce as soon as it is full, while backward goes on with the layers below. The buffers
 and the presence mask (which parameters had a gradient) follow in a last part when backward
@@ -48,7 +47,8 @@ def bucket_ranges(sizes: list[int], element_bytes: int, first_bytes: int = FIRST
                   bytes_per_bucket: int = BUCKET_BYTES) -> list[tuple[int, int]]:
     """Runs of parameter indices [lo, hi), from the last parameter back to the first, each
     bucket closed once it holds ``first_bytes`` (the first) or ``bytes_per_bucket`` (the rest)."""
-    ranges, hi, held = [], len(sizes), 0
+    ranges: list[tuple[int, int]] = []
+    hi, held = len(sizes), 0
     for i in reversed(range(len(sizes))):
         held += sizes[i] * element_bytes
         if held >= (first_bytes if not ranges else bytes_per_bucket):
@@ -126,7 +126,9 @@ class OverlappedAllReduce:
                 raise RuntimeError("a second backward pass reached a gradient whose bucket is already "
                                    "being reduced; the overlapped all-reduce takes one backward per "
                                    "step (pass overlap_allreduce=False to the strategy)")
-            grad = param.grad.to_dense() if param.grad.is_sparse else param.grad
+            grad = param.grad
+            assert grad is not None, "the hook runs once the gradient is accumulated"
+            grad = grad.to_dense() if grad.is_sparse else grad
             a, z = self._offsets[index], self._offsets[index + 1]
             part = self._vector[a:z]
             torch.mul(grad.detach().reshape(-1).to(part.device), 1.0 / self.learners, out=part)

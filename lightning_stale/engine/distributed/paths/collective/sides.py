@@ -20,13 +20,14 @@ backward pass (a real straggler) holds the update until that pass ends, and its 
 discarded as cancelled. The central server (``server="central"``) never waits for it.
 
 Where every update takes one gradient from every learner (Fully sync, K-sync with K = P), the
-all-reduce starts during backward instead, in buckets, as DDP's does (`engine.distributed.overlap`):
+all-reduce starts during backward instead, in buckets, as DDP's does (`collective.overlap`):
 the server's answer then only confirms the update the learners have already reduced.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
-from lightning_stale.engine.distributed.overlap import OverlappedAllReduce
+from lightning_stale.engine.distributed.paths.base import LearnerSide, ServerSide
+from lightning_stale.engine.distributed.paths.collective.overlap import OverlappedAllReduce
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, load_gradients
 from lightning_stale.method.rules import Update
@@ -51,18 +53,22 @@ def update_payload(update: Update, p: int, overlap_next: bool = False) -> Tensor
     return payload
 
 
-class CollectivePayloads:
-    """The server's side of the collective path (hooks as `central.CentralPayloads`): pushes are
+class CollectivePayloads(ServerSide):
+    """The server's side of the collective path: pushes are
     headers, and a refresh (every learner, at every update of the sync family) carries
     `update_payload`; nothing else carries parameters, since every learner holds them.
 
     ``overlap``: the learners overlap their all-reduce with backward where the next update is
-    sure to take one gradient from each of them (`engine.distributed.overlap`)."""
+    sure to take one gradient from each of them (`collective.overlap`)."""
 
     def __init__(self, overlap: bool = False) -> None:
         self.overlap = overlap
 
+    def attach(self, endpoint) -> None:
+        """Nothing to send besides the server's messages."""
+
     def contribution(self, message: Message) -> None:
+        """Nothing: the gradient stays with its learner until the update's all-reduce."""
         return None
 
     def fill(self, message: Message, core, decision) -> None:
@@ -82,7 +88,7 @@ class CollectivePayloads:
         pass
 
 
-class CollectiveExchange:
+class CollectiveExchange(LearnerSide):
     """A learner's side of the collective path (see the module docstring).
 
     Args:
@@ -96,6 +102,8 @@ class CollectiveExchange:
         group: the process group of the all-reduce (None: the default group).
         overlap: reduces the gradient during backward where the server says so, or None.
     """
+
+    schedules: Schedules  # every learner steps its own
 
     def __init__(self, vectors: ModelVectors, optimizer: Optimizer, schedules: Schedules, rank: int,
                  device: torch.device, clip: Callable[[Optimizer], None] | None = None,
@@ -148,6 +156,7 @@ class CollectiveExchange:
             message.payload = self._pack()
 
     def before_push(self, message: Message) -> None:
+        """Only the header travels; a gradient packed when the push was carried is kept here."""
         self._carried, message.payload = message.payload, None  # only the header travels
 
     def after_push(self, message: Message) -> None:
@@ -202,13 +211,16 @@ class CollectiveExchange:
         if message.kind not in (Kind.PARAMS, Kind.STOP):
             return
         if self._pending and self._pending[0] is None:
-            self._check_round(message.payload)
+            assert self.overlap is not None, "a push that went round during backward"
+            self._check_round(self.overlap.learners, message.payload)
             largest = self._largest_integers([], self._own_integers)
             reduced, recycled = self.overlap.result(), []
             self.overlapped_updates += 1
         else:
             k, mine = float(message.payload[0]), int(message.payload[1 + self.rank])
-            taken, stale = self._pending[:mine], self._pending[mine:]
+            # (only the overlapped round's push is None, and it is taken alone)
+            pending = cast("list[Tensor]", self._pending)
+            taken, stale = pending[:mine], pending[mine:]
             largest = self._largest_integers(taken)  # before the sum overwrites the first of them
             reduced, recycled = self._reduce(taken, k), taken[1:] + stale
         self._pending = []
@@ -243,9 +255,8 @@ class CollectiveExchange:
         dist.all_reduce(reduced, group=self.group)
         return reduced
 
-    def _check_round(self, payload: Tensor) -> None:
-        """An overlapped round is only ever taken whole: one gradient from every learner."""
-        p = self.overlap.learners
+    def _check_round(self, p: int, payload: Tensor) -> None:
+        """An overlapped round is only ever taken whole: one gradient from every learner (P)."""
         if len(self._pending) != 1 or payload[0] != p or not bool((payload[1:1 + p] == 1).all()):
             raise RuntimeError(f"learner {self.rank}: the server's update {payload[:1 + p].tolist()} "
                                "does not take the overlapped round of every learner")

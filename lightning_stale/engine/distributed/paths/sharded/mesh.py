@@ -1,5 +1,5 @@
 """Data between every pair of ranks, for the sharded path: gradient pieces, parameter slices and
-gathered state (`engine.distributed.sharded`).
+gathered state (`sharded.owner`).
 
 Every rank has, for every other rank, one receiving thread and one sending thread (draining an
 outbox), on the server traffic's gloo group with tags of their own, so that a slow transfer to
@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from lightning_stale.engine.distributed.channels import Channel, carried
+from lightning_stale.engine.distributed.frames import FRAME_BYTES, recv, send
 from lightning_stale.engine.distributed.messages import Kind, Message
-from lightning_stale.engine.distributed.transport import FRAME_BYTES, recv, send
 
 DATA, DATA_PAYLOAD = 31, 32  # tags: data between ranks (not the server's control traffic)
 
@@ -43,7 +43,7 @@ class DataMesh:
         self.group, self.rank, self.p, self.deliver = group, rank, p, deliver
         self.channels = channels or {}
         self._max_numel, self._broken = max_numel, broken
-        self._outboxes = {peer: queue.Queue() for peer in range(p) if peer != rank}
+        self._outboxes: dict[int, queue.Queue[Message]] = {peer: queue.Queue() for peer in range(p) if peer != rank}
         self._threads = []
         for peer in self._outboxes:
             self._threads += [

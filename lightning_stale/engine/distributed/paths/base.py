@@ -1,0 +1,245 @@
+"""What a server path is: the operations every path implements, each declared here once.
+
+A path (`ServerPath`) decides where the parameters live and what travels per push and per
+update. It has a learner side (`LearnerSide`: what a push carries, how parameters arrive), a
+server side (`ServerSide`: what the server keeps of a push and what its messages carry), a part
+of every checkpoint written on rank 0 (`CheckpointPart`), and a cost model for ``server="auto"``
+(`ServerPath.traffic`). The registry (`paths.registry`) holds the paths by name; nothing else
+compares path names. Adding a path means one folder beside the others and one line there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_stale.engine.core import ServerCore
+from lightning_stale.engine.distributed.messages import Message
+from lightning_stale.engine.schedules import Schedules
+from lightning_stale.engine.state import ModelVectors, ServerState
+from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.compensation import StalenessCompensation
+from lightning_stale.method.rules import Decision, Update
+from lightning_stale.method.variants import Variant
+
+
+@dataclass(kw_only=True)
+class RankOptions:
+    """What every rank needs to know besides the model (the strategy's options)."""
+
+    path: str
+    delay: Any = None
+    delay_is_total: bool = False
+    on_learner_failure: str = "stop"
+    server_timeout: float = 30.0
+    compensation: StalenessCompensation | None = None
+    adaptive: AdaptiveK | None = None
+    shared_memory: bool = True
+    overlap: bool = False  # collective path: the all-reduce during backward (the strategy decides)
+    shutdown_timeout: float = 60.0
+    # the backend of the device channels (`channels`), None for none
+    channels: str | None = None
+    # the strategy's ``timeout`` (None: torch's default), for the overlap's group as for the
+    # default one: on NCCL, the time after which torch's watchdog ends a collective left waiting
+    timeout: datetime.timedelta | None = None
+
+
+class LearnerSide(ABC):
+    """How a learner meets the server on one path (the learner calls these, in this order, for
+    every push: `fill_push` after backward, `carry` where the push waits over an epoch's end,
+    `before_push` and `after_push` around its header's sending; `resolve` then `take` for
+    every message that brings parameters; `close` at the end)."""
+
+    # The LR schedulers this side steps (where every learner applies updates); None: elsewhere.
+    schedules: Schedules | None = None
+    overlapped_updates = 0  # updates whose all-reduce ran during backward (the collective path)
+
+    @property
+    def payloads_on_channels(self) -> int:
+        """Payloads this side's own data routes sent or received on device channels so far."""
+        return 0
+
+    @abstractmethod
+    def fill_push(self, message: Message) -> None:
+        """Fill a push with the gradient, when the mini-batch's computation ends."""
+
+    @abstractmethod
+    def carry(self, message: Message) -> None:
+        """The push waits over an epoch's end (Lightning zeroes the gradients before validation)."""
+
+    @abstractmethod
+    def before_push(self, message: Message) -> None:
+        """The push leaves now (not when cancelled work is thrown away)."""
+
+    @abstractmethod
+    def after_push(self, message: Message) -> None:
+        """The push's header has left; the answer has not been waited for yet."""
+
+    @abstractmethod
+    def resolve(self, message: Message, check: Callable[[], None]) -> None:
+        """Complete a message's parameters where they come in parts (``check`` raises if the run
+        failed while waiting)."""
+
+    @abstractmethod
+    def take(self, message: Message) -> None:
+        """Load the parameters (or apply the update) a message brings."""
+
+    @abstractmethod
+    def close(self, timeout: float, failed: bool = False) -> list[str]:
+        """After the stop (``failed``: after a failure): release what the side holds; the names
+        of threads still running after ``timeout`` seconds."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """The module loses whatever this side hooked on it (the strategy's teardown, after a
+        failure too)."""
+
+
+class ServerSide(ABC):
+    """What the server's messages carry on one path (the server thread calls these)."""
+
+    @abstractmethod
+    def contribution(self, message: Message) -> Any:
+        """What the core keeps of an accepted push (a gradient, or where to find it)."""
+
+    @abstractmethod
+    def fill(self, message: Message, core: ServerCore, decision: Decision | None) -> None:
+        """Fill a message to a learner (parameters, an update, nothing)."""
+
+    @abstractmethod
+    def on_update(self, update: Update, contributions: Sequence[Any], weights: Sequence[float] | None) -> None:
+        """The core applied an update (where the state lives elsewhere, the update goes there)."""
+
+    @abstractmethod
+    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
+        """The LR schedulers are due (per epoch, or metrics for those stepped per update)."""
+
+    @abstractmethod
+    def on_stop(self) -> None:
+        """Training stopped: the last orders to wherever the state lives."""
+
+    @abstractmethod
+    def attach(self, endpoint: Any) -> None:
+        """The server's endpoint (`transport.ServerEndpoint`), once it exists."""
+
+    def gather(self, request: int) -> None:
+        """Collect the model's state to rank 0 where it is spread (for a checkpoint)."""
+        raise RuntimeError("this path holds the model's state in one place: there is nothing to gather")
+
+
+@dataclass
+class CheckpointView:
+    """What a path's part of a checkpoint may read on rank 0 (the strategy gives it)."""
+
+    server: Any  # the parameter server
+    module: nn.Module  # the LightningModule
+    optimizer: Callable[[], Any] = lambda: None  # rank 0's own (Lightning's) optimizer
+    learner: Callable[[], Any] = lambda: None  # rank 0's learner, None once it has left
+    finished: Callable[[], bool] = lambda: False  # the fit ended: the module holds the final state
+    check_server: Callable[[], None] = lambda: None  # raises if the server failed
+    learner_side: LearnerSide | None = None  # rank 0's
+
+
+class CheckpointPart:
+    """A path's part of a checkpoint written on rank 0: the module's and optimizer's state as
+    the server has it, and the server's books (``"stale_server"``: version, updates, epoch,
+    samples, the LR schedulers), the same format on every path, so a run resumes on any path.
+    By default the module and optimizer already hold them (nothing to add)."""
+
+    def __init__(self, view: CheckpointView) -> None:
+        self.view = view
+
+    @property
+    def live(self) -> bool:
+        """Training has not finished: the server's state is not the module's yet."""
+        return not self.view.finished()
+
+    def module_state(self, state_dict: dict) -> dict:
+        """``state_dict`` (the module's own) with the server's parameters and buffers."""
+        return state_dict
+
+    def optimizer_state(self, own: dict) -> dict:
+        """The optimizer's state as the server has it (``own``: rank 0's optimizer's)."""
+        return own
+
+    def engine_state(self) -> dict:
+        """The server's books, matching the parameters saved beside them."""
+        return self.view.server.state_dict()
+
+    def finish(self) -> None:
+        """After the stop: rank 0's optimizer takes the server's final state."""
+
+
+@dataclass
+class RankContext:
+    """What a path builds one rank from (`ranks.build_rank`)."""
+
+    rank: int
+    group: Any
+    module: nn.Module
+    optimizer: Optimizer
+    schedulers: list
+    variant: Variant
+    vectors: ModelVectors
+    options: RankOptions
+    resume: dict | None = None
+    clip: Callable[[Optimizer], None] | None = None
+    channels: dict = field(default_factory=dict)  # this rank's device channels
+    server: Callable[[], Any] = lambda: None  # rank 0's server, once it exists
+
+
+@dataclass
+class RankParts:
+    """What a path built for one rank."""
+
+    learner_side: Callable[[Any], LearnerSide]  # made once this rank's learner endpoint exists
+    server_side: ServerSide | None = None  # on rank 0
+    state: ServerState | None = None  # on rank 0, where the server core holds the model
+    orders: queue.Queue | None = None  # for this rank's part of the server (a shard owner), if any
+    start: Callable[[Any, Any], None] | None = None  # starts that part (learner endpoint, server)
+
+
+class ServerPath(ABC):
+    """One way the server applies updates (see the module docstring)."""
+
+    name: ClassVar[str]
+    # Whether pushes and answers carry the model through the server's endpoints (then the
+    # endpoints take the payload routes: shared-memory lanes, device channels).
+    payloads_through_server: ClassVar[bool] = False
+    # Whether every learner starts from rank 0's parameters by a broadcast (as DDP does).
+    broadcasts_start: ClassVar[bool] = True
+
+    @abstractmethod
+    def problem(self, variant_name: str, on_learner_failure: str, compensation: StalenessCompensation | None,
+                clips: bool = False) -> str | None:
+        """Why this path cannot run these options, naming what to use instead; None if it can."""
+
+    @abstractmethod
+    def traffic(self, numel: int, p: int, k: int) -> float:
+        """Values a rank sends and receives per update (the busiest rank's, where they differ),
+        for N = ``numel`` values, P learners and K gradients per update; times the element
+        size, bytes."""
+
+    @abstractmethod
+    def channel_pairs(self, p: int) -> list[tuple[int, int]]:
+        """The (sender, receiver) directions this path's payloads take (for device channels)."""
+
+    @abstractmethod
+    def build(self, ctx: RankContext) -> RankParts:
+        """This rank's part of the path (`RankParts`); collective where the path needs it."""
+
+    def overlaps(self, variant: Variant, adaptive: AdaptiveK | None) -> bool:
+        """Whether the learners can reduce their gradients during backward (every update then
+        takes one gradient from every learner)."""
+        return False
+
+    def checkpoint(self, view: CheckpointView) -> CheckpointPart:
+        """This path's part of a checkpoint on rank 0."""
+        return CheckpointPart(view)

@@ -1,0 +1,1 @@
+"""The central path: the server on rank 0 holds the parameters."""

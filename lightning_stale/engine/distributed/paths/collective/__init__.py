@@ -1,0 +1,1 @@
+"""The collective path: the sync family's gradients meet in one all-reduce."""

@@ -1,0 +1,1 @@
+"""The sharded path: every rank owns a slice of the parameters and of the optimizer state."""
