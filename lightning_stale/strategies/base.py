@@ -305,7 +305,9 @@ class ServerStrategyMixin:
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        # (Lightning's own takes ``weights_only`` from 2.6 on: passed only where it was given)
+        extra = () if weights_only is None else (weights_only,)
+        checkpoint = super().load_checkpoint(checkpoint_path, *extra)
         self._resume = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
