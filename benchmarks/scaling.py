@@ -225,7 +225,8 @@ def main() -> None:
     print(f"total {total:.0f} s")
     plot(summary, out / "scaling.png")
     paths = write_results(out, "scaling", summary, {"runs": rows, "repeats": args.repeats,
-                                                    "threads": args.threads, "total_wall_s": total})
+                                                    "threads": args.threads, "total_wall_s": total},
+                          kind="gpu" if args.accelerator == "gpu" else "cpu")
     print("results:", *map(str, paths), out / "scaling.png")
 
 
