@@ -22,6 +22,8 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[2]
 LATEST = ROOT / "benchmarks" / "results" / "latest"
 KINDS = {"cpu": "CPU", "gpu": "GPU"}
+GPU_CAPABLE = {"scaling", "gpu_check"}  # the scripts with --accelerator gpu; the rest train on CPUs
+NAMED = {"k", "devices", "learner"}  # label columns shown as name=value under a bar
 
 # Per benchmark: the table's columns (None: all), where the rows are ("figures", or a key of
 # "settings"), and the figure: bars of `value` per row labelled by `label` columns, or lines of
@@ -105,7 +107,7 @@ def columns_of(benchmark: str, rows: list[dict[str, Any]]) -> list[str]:
 
 def markdown_table(benchmark: str, rows: list[dict[str, Any]]) -> str:
     columns = columns_of(benchmark, rows)
-    lines = ["| " + " | ".join(f"`{c}`" for c in columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    lines = ["| " + " | ".join(c.replace("_", " ") for c in columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -158,7 +160,8 @@ def figure_png(benchmark: str, doc: dict[str, Any]) -> bytes | None:
         for row in rows:
             y = _number(row.get(value))
             if y is not None:
-                labels.append(" ".join(str(row.get(c)) for c in spec["label"] if row.get(c) not in (None, "")))
+                labels.append(" ".join(f"{c}={row[c]}" if c in NAMED else str(row[c])
+                                       for c in spec["label"] if row.get(c) not in (None, "")))
                 heights.append(y)
         if heights:
             ax.bar(range(len(heights)), heights, color="#3f51b5")
@@ -198,6 +201,9 @@ def section(benchmark: str, kind: str, command: str, has_figure: bool) -> str:
     doc = load(benchmark, kind)
     title = f"## Latest results: {KINDS[kind]}"
     if doc is None:
+        if kind == "gpu":
+            command = command if "--accelerator" in command or benchmark == "gpu_check" else \
+                f"{command} --accelerator gpu"
         return (f"{title}\n\nNo {KINDS[kind]} results yet. Make them with `{command}` on a "
                 f"{KINDS[kind]} machine and commit `benchmarks/results/latest/{benchmark}-{kind}.json`.\n")
     rows = rows_of(benchmark, doc)
@@ -214,7 +220,10 @@ def index_table() -> str:
         cells = []
         for kind in KINDS:
             doc = load(benchmark, kind)
-            cells.append(f"{doc['date'][:10]}, `{str(doc.get('commit'))[:10]}`" if doc else "none yet")
+            if doc:
+                cells.append(f"{doc['date'][:10]}, `{str(doc.get('commit'))[:10]}`")
+            else:
+                cells.append("none yet" if kind == "cpu" or benchmark in GPU_CAPABLE else "(CPU only)")
         lines.append(f"| [{benchmark}]({benchmark}.md) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -242,5 +251,6 @@ def on_page_markdown(markdown, page, config, files):
     benchmark = Path(page.file.src_uri).stem
     match = re.search(r"^    (python benchmarks/" + re.escape(benchmark) + r"\.py[^\n]*)$", markdown, re.MULTILINE)
     command = match[1] if match else f"python benchmarks/{benchmark}.py"
-    sections = [section(benchmark, kind, command, (benchmark, kind) in _figures) for kind in KINDS]
+    kinds = KINDS if benchmark in GPU_CAPABLE else {"cpu": "CPU"}
+    sections = [section(benchmark, kind, command, (benchmark, kind) in _figures) for kind in kinds]
     return markdown.replace("<!-- results -->", "\n".join(sections))
