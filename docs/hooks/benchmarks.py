@@ -59,7 +59,7 @@ SPECS: dict[str, dict[str, Any]] = {
                           plot="bar", label=["devices", "model", "mode"], value="vs_ddp", reference=1.0,
                           ylabel="samples/s over ddp's"),
     "path_breakdown": dict(rows="summary", columns=None, plot="bar", label=["variant", "server"],
-                           value="ms_per_update", ylabel="ms per update"),
+                           value="samples_per_s", ylabel="samples/s (all learners)"),
     "against_commit": dict(columns=None, plot="bar", label=["mode", "k"], value="head_over_base",
                            reference=1.0, ylabel="head's ratio to ddp over base's"),
     "record_minibatch_times": dict(columns=None, plot="bar", label=["learner"], value="mean_s",
