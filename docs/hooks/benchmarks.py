@@ -27,7 +27,8 @@ NAMED = {"k", "devices", "learner"}  # label columns shown as name=value under a
 
 # Per benchmark: the table's columns (None: all), where the rows are ("figures", or a key of
 # "settings"), and the figure: bars of `value` per row labelled by `label` columns, or lines of
-# `value` against `x`, one per `series` combination. `reference` draws a dashed line (1 = parity).
+# `value` against `x`, one panel per `panel` value and one line per `series` combination.
+# `reference` draws a dashed line (1 = parity).
 SPECS: dict[str, dict[str, Any]] = {
     "runtime_fidelity": dict(columns=["variant", "k", "updates", "theory_s", "measured_s", "measured/theory",
                                       "replay/theory", "measured/replay"],
@@ -37,8 +38,8 @@ SPECS: dict[str, dict[str, Any]] = {
                                   "replay/ideal", "measured/replay", "slow_learner_share", "ideal_slow_share"],
                          plot="bar", label=["k"], value="ratio", reference=1.0,
                          ylabel="measured updates/s / ideal"),
-    "overhead_vs_ddp": dict(columns=["devices", "mode", "k", "ms_per_update", "samples_per_s", "vs_ddp",
-                                     "vs_ddp_per_repeat", "target"],
+    "overhead_vs_ddp": dict(columns=["devices", "mode", "k", "vs_ddp", "vs_ddp_per_repeat", "target",
+                                     "ms_per_update", "samples_per_s"],
                             plot="bar", label=["devices", "mode", "k"], value="vs_ddp", reference=1.0,
                             ylabel="samples/s over ddp's"),
     "straggler_win": dict(columns=None, plot="bar", label=["variant", "k"], value=r"^t_[0-9.]+_s$",
@@ -50,12 +51,12 @@ SPECS: dict[str, dict[str, Any]] = {
     "latency_breakdown": dict(rows="summary", columns=None, plot="bar", label=["variant", "k"],
                               value="measured/theory", reference=1.0,
                               ylabel="measured time per update / E[T]"),
-    "scaling": dict(columns=["devices", "size", "parameters", "mode", "k", "path", "ms_per_update",
-                             "samples_per_s", "vs_ddp", "per_repeat"],
-                    plot="line", x="parameters", series=["devices", "mode"], value="vs_ddp", reference=1.0,
-                    ylabel="samples/s over ddp's", xlabel="parameters", logx=True),
-    "architectures": dict(columns=["devices", "model", "parameters", "mode", "k", "path", "ms_per_update",
-                                   "samples_per_s", "vs_ddp", "per_repeat"],
+    "scaling": dict(columns=["devices", "size", "mode", "requested", "path", "k", "vs_ddp", "per_repeat",
+                             "target", "ms_per_update", "samples_per_s", "parameters"],
+                    plot="line", x="parameters", panel="devices", series=["mode", "requested"], value="vs_ddp",
+                    reference=1.0, ylabel="samples/s over ddp's", xlabel="parameters", logx=True),
+    "architectures": dict(columns=["devices", "model", "mode", "requested", "path", "k", "vs_ddp", "per_repeat",
+                                   "ms_per_update", "samples_per_s", "parameters"],
                           plot="bar", label=["devices", "model", "mode"], value="vs_ddp", reference=1.0,
                           ylabel="samples/s over ddp's"),
     "path_breakdown": dict(rows="summary", columns=None, plot="bar", label=["variant", "server"],
@@ -137,44 +138,71 @@ def figure_png(benchmark: str, doc: dict[str, Any]) -> bytes | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
-    drawn = False
     if spec["plot"] == "line":
-        series: dict[tuple, list[tuple[float, float]]] = {}
-        for row in rows:
-            x, y = _number(row.get(spec["x"])), _number(row.get(value))
-            if x is not None and y is not None:
-                series.setdefault(tuple(row.get(c) for c in spec["series"]), []).append((x, y))
-        for key, points in sorted(series.items(), key=lambda kv: str(kv[0])):
-            points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                    label=" ".join(f"{c}={k}" for c, k in zip(spec["series"], key)))
-            drawn = True
-        if spec.get("logx"):
-            ax.set_xscale("log")
-        ax.set_xlabel(spec.get("xlabel", spec["x"]))
-        if drawn:
-            ax.legend(fontsize=7, ncol=3, loc="best")
-    else:
-        labels, heights = [], []
-        for row in rows:
-            y = _number(row.get(value))
-            if y is not None:
-                labels.append(" ".join(f"{c}={row[c]}" if c in NAMED else str(row[c])
-                                       for c in spec["label"] if row.get(c) not in (None, "")))
-                heights.append(y)
-        if heights:
-            ax.bar(range(len(heights)), heights, color="#3f51b5")
-            ax.set_xticks(range(len(heights)), labels, rotation=45, ha="right", fontsize=7)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
+        return _line_figure(spec, rows, value, plt)
+    labels, heights = [], []
+    for row in rows:
+        y = _number(row.get(value))
+        if y is not None:
+            labels.append(" ".join(f"{c}={row[c]}" if c in NAMED else str(row[c])
+                                   for c in spec["label"] if row.get(c) not in (None, "")))
+            heights.append(y)
+    if not heights:
         return None
+    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
+    ax.bar(range(len(heights)), heights, color="#3f51b5")
+    ax.set_xticks(range(len(heights)), labels, rotation=45, ha="right", fontsize=7)
     if spec.get("reference") is not None:
         ax.axhline(spec["reference"], color="grey", linestyle="--", linewidth=1)
     ax.set_ylabel(spec.get("ylabel", value), fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _line_figure(spec: dict[str, Any], rows: list[dict[str, Any]], value: str, plt) -> bytes | None:
+    """One panel per value of ``spec["panel"]``: ``value`` against ``spec["x"]``, a line per
+    ``spec["series"]`` combination (dashed where a run forced its path: ``requested`` not auto)."""
+    panels = sorted({row.get(spec["panel"]) for row in rows}, key=str)
+    names = sorted({tuple(row.get(c) for c in spec["series"]) for row in rows}, key=str)
+    colours = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 2.5, 4.2), dpi=110, sharey=True,
+                             squeeze=False)
+    drawn = False
+    for ax, panel in zip(axes[0], panels):
+        for index, name in enumerate(names):
+            points = sorted((_number(row.get(spec["x"])), _number(row.get(value))) for row in rows
+                            if row.get(spec["panel"]) == panel and tuple(row.get(c) for c in spec["series"]) == name
+                            and _number(row.get(spec["x"])) is not None and _number(row.get(value)) is not None)
+            if not points:
+                continue
+            forced = any(part not in (None, "", "auto") for part in name[1:])
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colours(index % 20),
+                    linestyle="--" if forced else "-",
+                    label=" ".join(str(part) for part in name if part not in (None, "", "auto")))
+            drawn = True
+        if spec.get("reference") is not None:
+            ax.axhline(spec["reference"], color="grey", linestyle=":", linewidth=1)
+        if spec.get("logx"):
+            ax.set_xscale("log")
+        ax.set_title(f"{spec['panel']} = {panel}", fontsize=9)
+        ax.set_xlabel(spec.get("xlabel", spec["x"]), fontsize=8)
+        ax.grid(alpha=0.3)
+    if not drawn:
+        plt.close(fig)
+        return None
+    axes[0][0].set_ylabel(spec.get("ylabel", value), fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    fig.legend(handles, labels, fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / (5 * len(panels) + 2.5), 1))
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     plt.close(fig)
