@@ -7,13 +7,10 @@ for ranks 1..N-1 (it re-executes ``sys.argv``), so a script must make the same s
 
 from __future__ import annotations
 
-import csv
-import datetime as _dt
 import json
 import logging
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -202,59 +199,13 @@ class DelayCallback(Callback):
 
 
 # ---------------------------------------------------------------------------- results
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    import pytorch_lightning
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "pytorch_lightning": pytorch_lightning.__version__,
-            "python": platform.python_version(), "loadavg_at_end": load}
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def command_line() -> str:
-    return " ".join(["python", *sys.argv])
-
-
 def write_results(out: str | os.PathLike, name: str, rows: list[dict[str, Any]],
-                  meta: dict[str, Any] | None = None) -> tuple[Path, Path]:
-    """``<out>/<name>.json`` (rows with the command, date, machine and ``meta``) and
-    ``<out>/<name>.csv`` (the rows)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "command": command_line(),
-           "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-           "git_commit": git_commit(), "machine": machine(), **(meta or {}), "rows": rows}
-    json_path, csv_path = out / f"{name}.json", out / f"{name}.csv"
-    json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    columns: list[str] = []
-    for row in rows:
-        columns += [c for c in row if c not in columns]
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    return json_path, csv_path
+                  meta: dict[str, Any] | None = None, kind: str = "cpu") -> tuple[Path, Path]:
+    """One run's results file under ``<out>/runs/`` and its copy as the latest of ``name`` on
+    ``kind`` machines under ``<out>/latest/`` (see `results.write_run`)."""
+    from results import write_run
+
+    return write_run(out, name, rows, meta, kind)
 
 
 def _cell(value: Any) -> str:
@@ -286,11 +237,9 @@ def median(values: Sequence[float]) -> float:
 
 
 def prepare_out(out: str | os.PathLike) -> Path:
-    """Create the results folder; the default one keeps itself out of git."""
+    """Create the results folder (git ignores everything in the default one but ``latest/``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if out.resolve() == DEFAULT_OUT.resolve() and not (out / ".gitignore").exists():
-        (out / ".gitignore").write_text("# benchmark outputs: recorded in README.md, not committed\n*\n")
     return out
 
 
@@ -299,7 +248,7 @@ def base_parser(description: str):
 
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="folder for the JSON/CSV results")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="results folder: runs/ gets every run's file, latest/ the latest of each")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads per process (the machine has few cores)")

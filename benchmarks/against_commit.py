@@ -10,9 +10,8 @@ batch 32, no injected delay). The two codes take turns at going first in a pair 
 Reported per variant and code: the median over all repeats of samples/s over ddp's samples/s
 in the same repeat, and a two-sided Mann-Whitney U test (scipy) of the two codes' launches, each
 launch's median ratio one value: repeats inside a launch share its luck, so the launch, not the
-repeat, is the independent unit (a test over the repeats called a 4 % gap between a commit and
-itself significant, p = 0.03: README, "Small models against the code the scaling work started
-from"). Four launches of each code are the fewest that can give p < 0.05. Each code runs as its users get it: where it has one, every mode of a
+repeat, is the independent unit (a test over the repeats can call a gap between a commit and
+itself significant). Four launches of each code are the fewest that can give p < 0.05. Each code runs as its users get it: where it has one, every mode of a
 launch (ddp included) runs under the allocator setting the strategy makes
 (`engine.distributed.allocator`, applied by `_common.apply_process_settings`); before, under
 glibc's defaults; ``--same-settings`` runs both under this checkout's, which compares the
@@ -20,7 +19,7 @@ engines alone (the setting applies to ``ddp`` too, so a ratio to ``ddp`` can mov
 
 Each fit is ``overhead_vs_ddp.measure`` (its samples/s and its K per variant).
 
-    python benchmarks/against_commit.py --base c66ab33 [--head HEAD] [--modes k_batch_sync sync]
+    python benchmarks/against_commit.py --base COMMIT [--head HEAD] [--modes k_batch_sync sync]
         [--devices 2] [--launches 4] [--repeats 6] [--steps 300] [--hidden 256] [--same-settings]
 """
 

@@ -248,7 +248,8 @@ def main() -> None:
                           {"accelerator": args.accelerator, "devices": args.devices,
                            "learners_per_gpu": args.learners_per_gpu, "updates": args.updates,
                            "precision": args.precision, "optimizer": args.optimizer,
-                           "checkpoint_every": args.checkpoint_every})
+                           "checkpoint_every": args.checkpoint_every},
+                          kind="gpu" if args.accelerator == "gpu" else "cpu")
     print("results:", *map(str, paths))
     if failed:
         raise SystemExit(f"gpu_check: checks failed for {', '.join(failed)}")

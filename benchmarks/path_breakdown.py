@@ -62,19 +62,20 @@ _LOCK = threading.Lock()
 
 
 def _wrapped():
-    import lightning_stale.engine.distributed.collective as collective
-    import lightning_stale.engine.distributed.central as central
     import lightning_stale.engine.distributed.learner as learner
+    import lightning_stale.engine.distributed.paths.central.sides as central
+    import lightning_stale.engine.distributed.paths.collective.sides as collective
+    import lightning_stale.engine.distributed.paths.sharded.owner as owner
+    import lightning_stale.engine.distributed.paths.sharded.sides as sharded
     import lightning_stale.engine.distributed.server as server
-    import lightning_stale.engine.distributed.sharded as sharded
     import lightning_stale.engine.distributed.transport as transport
     from lightning_stale.strategies.base import ServerStrategyMixin
 
     exchanges = (central.CentralExchange, collective.CollectiveExchange, sharded.ShardedExchange)
     return ([(ServerStrategyMixin, "compute_gradient", "compute"), (learner.Learner, "_wait", "wait"),
              (transport.LearnerEndpoint, "push", "send"), (server.ParameterServer, "_on_push", "decide"),
-             (sharded.ShardOwner, "_apply", "owner apply"), (sharded.ShardOwner, "_take", "owner wait"),
-             (sharded.ShardOwner, "_send", "owner send")]
+             (owner.ShardOwner, "_apply", "owner apply"), (owner.ShardOwner, "_take", "owner wait"),
+             (owner.ShardOwner, "_send", "owner send")]
             + [(e, method, part) for e in exchanges for method, part in
                (("fill_push", "pack"), ("after_push", "pack"), ("before_push", "send"), ("resolve", "resolve"),
                 ("take", "apply"))])

@@ -5,12 +5,12 @@ Deep MLPs (64 inputs, equal hidden layers, 10 classes, batch 32, plain SGD) of a
 default 2 then 4) and size, every mode runs interleaved ``--repeats`` times:
 
 * ``ddp``: Lightning's stock DDP (one all-reduce per step);
-* the six variants on the path ``server="auto"`` picks (`ranks.choose_path`: collective for the
-  sync family from `ranks.SCALE_MIN_NUMEL` values, or `ranks.ONE_HOST_COLLECTIVE_MIN_NUMEL`
-  (`ranks.CROWDED_HOST_COLLECTIVE_MIN_NUMEL` where the learners outnumber the cores) on one CPU
+* the six variants on the path ``server="auto"`` picks (`registry.choose_path`: collective for the
+  sync family from `registry.SCALE_MIN_NUMEL` values, or `registry.ONE_HOST_COLLECTIVE_MIN_NUMEL`
+  (`registry.CROWDED_HOST_COLLECTIVE_MIN_NUMEL` where the learners outnumber the cores) on one CPU
   host whose learners all share memory with rank 0, sharded for the async family once parameters
-  x (P - 1) reach `ranks.SHARDED_MIN_TRAFFIC` and, on one host, P reaches
-  `ranks.ONE_HOST_SHARDED_MIN_P`; central otherwise), K = P for
+  x (P - 1) reach `registry.SHARDED_MIN_TRAFFIC` and, on one host, P reaches
+  `registry.ONE_HOST_SHARDED_MIN_P`; central otherwise), K = P for
   ``sync``/``k_sync`` and K = P/2 for the K-variants of the other families, K = 1 for Async;
 * ``sync`` forced onto the central server, ``sync`` on the collective path reducing only after
   the server's decision (``collective-late``: ``overlap_allreduce=False``), and ``k_batch_async``
@@ -46,10 +46,10 @@ from lightning_stale import StaleStrategy
 from overhead_vs_ddp import k_of
 
 SIZES = {"0.02M": (256,), "1M": (350,) * 8, "2M": (500,) * 8, "4M": (700,) * 8, "8M": (1000,) * 8,
-         "16M": (1400,) * 8, "64M": (2800,) * 8}
+         "16M": (1400,) * 8, "64M": (3000,) * 8}
 DEFAULT_SIZES = ["0.02M", "1M", "4M", "16M"]  # 2M and 8M: to place a crossover between paths
-# Updates per fit. At least 100: with 30 at 16M (25 measured, 1 to 2 s) one cell's repeats
-# ranged 0.51 to 1.12 x ddp in one launch (README, "Scaling").
+# Updates per fit. At least 100 from 2M up: a fit of a few dozen updates of a large model lasts
+# a second or two, too short to leave a shared machine's spread behind (docs/benchmarks/scaling.md).
 STEPS = {"0.02M": 300, "1M": 120, "2M": 100, "4M": 100, "8M": 100, "16M": 100, "64M": 100}
 TARGETS = {("sync", "auto"): 0.95, ("k_sync", "auto"): 0.95, ("k_async", "auto"): 0.9,
            ("k_batch_async", "auto"): 0.9}
@@ -225,7 +225,8 @@ def main() -> None:
     print(f"total {total:.0f} s")
     plot(summary, out / "scaling.png")
     paths = write_results(out, "scaling", summary, {"runs": rows, "repeats": args.repeats,
-                                                    "threads": args.threads, "total_wall_s": total})
+                                                    "threads": args.threads, "total_wall_s": total},
+                          kind="gpu" if args.accelerator == "gpu" else "cpu")
     print("results:", *map(str, paths), out / "scaling.png")
 
 

@@ -155,9 +155,11 @@ def advise(trace: Trace | str | os.PathLike, p: int | None = None, *, column: st
         trace: a trace CSV (e.g. ``minibatch_times.csv``) or a `Trace`.
         p: the number of learners to advise for; default: the learners in the trace.
         column: the column used (default ``delay_s``: X where known, else the computation).
-        config_name, overrides: the app config or recipe whose ``data``, ``model`` and ``seed``
-            the sweeps train (`compose_config`); default the digits MLP.
-        ks: the K tried for the K-variants (default 1..P); variants: the variants tried.
+        config_name: the app config or recipe whose ``data``, ``model`` and ``seed`` the sweeps
+            train (`compose_config`); default the digits MLP.
+        overrides: Hydra overrides applied to that config.
+        ks: the K tried for the K-variants (default 1..P).
+        variants: the variants tried.
         target: the training loss to reach; default the median final error of the runs.
         budget_s: virtual seconds per run; default the time P learners need to compute
             `pushes` mini-batches together without waiting, pushes x E[X] / P.
@@ -166,7 +168,8 @@ def advise(trace: Trace | str | os.PathLike, p: int | None = None, *, column: st
             (the chosen model), "trace" (the records in order, cycled; P = learners in it).
         per_learner: whether the empirical law keeps each learner's own record; default when
             P equals the number of recorded learners, else pooled.
-        sweep, adaptive: run the sweeps; run the AdaSync check.
+        sweep: run the sweeps.
+        adaptive: run the AdaSync check.
         et_updates: server updates of each Monte Carlo E[T].
         discard_first: values left out at the start of every learner's record (warm-up) by the
             fit and the empirical law ("trace" replays the file as it is).

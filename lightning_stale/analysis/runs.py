@@ -11,7 +11,7 @@ distributed-SGD variants by training error against wall-clock time. Every run of
   (on the convex problem it is F(w) over the training set, exactly).
 
 `find_runs` turns run or sweep directories into `Run` objects; the other functions turn runs into
-the rows that `lightning_stale.plot` draws and tabulates. Definitions (also in README.md):
+the rows that `lightning_stale.plot` draws and tabulates. Definitions (also in docs/how-to/sweeps.md):
 
 * error at convergence: the mean training loss over the last ``tail_fraction`` of the updates;
 * time to converge: the training time of the first update at which the trailing mean of the loss

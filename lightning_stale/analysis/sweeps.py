@@ -6,7 +6,7 @@ virtual clock in one process: deterministic, no process start-up) for the same b
 wall-clock time (Dutta et al., AISTATS 2018), not against iterations. The learners run without
 epoch-end flushes, the stationary process of the runtime analysis ("Expected time per iteration").
 
-Definitions (also in README.md, "From a measured cluster to the right K"):
+Definitions (also in docs/how-to/advisor.md):
 
 * the *smoothed loss* at an update: the mean mini-batch loss over the gradients of the latest
   updates that together hold at least ``window`` gradients (an update of K gradients weighs K),

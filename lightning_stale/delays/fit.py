@@ -128,7 +128,9 @@ def fit(trace: Trace | str | os.PathLike | Mapping[int, Sequence[float]], *,
         column: the trace column fitted (default: the `Trace`'s own, else ``delay_s``).
         criterion: "bic" (default) or "aic"; the lowest wins.
         families: the base families tried (a subset of `FAMILIES`).
-        slow_alpha, min_slow_factor: the slow-learner test (module docstring).
+        slow_alpha: the slow-learner test's significance level (module docstring).
+        min_slow_factor: how much slower than the others a slow learner's mean must be
+            (module docstring).
         discard_first: values dropped at the start of every learner's record (warm-up).
         seed: the seed of the returned models.
     """

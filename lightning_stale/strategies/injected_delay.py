@@ -6,7 +6,8 @@ outside: `InjectedDelay` sleeps each rank's draw after its backward pass, as the
 default ``delay_mode="after_compute"`` does. Under DDP the gradients of a step are all-reduced
 during backward, so the sleep holds back the rank's *next* step, and every all-reduce waits for
 the slowest rank: fully synchronous SGD with X = compute + draw (docs/method.md, "Setting";
-``benchmarks/straggler_win.py`` measured it against E[T] of the sync variant).
+``benchmarks/straggler_win.py`` measures it against E[T] of the sync variant,
+docs/benchmarks/straggler_win.md).
 """
 
 from __future__ import annotations
