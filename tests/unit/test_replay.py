@@ -16,8 +16,12 @@ from lightning_stale import SimulatedStaleStrategy
 from lightning_stale.replay import FORMAT_VERSION, EventLogError, read_events
 from user_modules import BlobData, WarmupAdamW
 
-VARIANTS = [("sync", None), ("k_sync", 2), ("k_batch_sync", 2), ("async", None), ("k_async", 2),
-            ("k_batch_async", 2)]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# K-sync (drops and cancellations) in the quick loop, the other five variants with the slow tests.
+VARIANTS = [pytest.param(name, k, marks=[] if name == "k_sync" else [pytest.mark.slow])
+            for name, k in [("sync", None), ("k_sync", 2), ("k_batch_sync", 2), ("async", None),
+                            ("k_async", 2), ("k_batch_async", 2)]]
 
 
 class DropoutBatchNorm(WarmupAdamW):
@@ -30,9 +34,9 @@ class DropoutBatchNorm(WarmupAdamW):
                                  nn.Dropout(0.3), nn.Linear(hidden, 3))
 
 
-def _fit(strategy, tmp_path, model=None, **trainer):
-    pl.seed_everything(7, verbose=False)
-    model = model or DropoutBatchNorm()
+def _fit(strategy, tmp_path, make_model=DropoutBatchNorm, **trainer):
+    pl.seed_everything(7, verbose=False)  # the same initial parameters in every fit
+    model = make_model()
     options = {**QUIET, "max_epochs": 2, "default_root_dir": str(tmp_path), **trainer}
     t = pl.Trainer(strategy=strategy, **options)
     t.fit(model, datamodule=BlobData(batch_size=16, n=80))
@@ -48,8 +52,8 @@ def _record(tmp_path, variant="k_batch_async", k=2, **options):
     return trainer.strategy.stats["events_path"], trainer
 
 
-def _replay(path, tmp_path, model=None, **options):
-    trainer = _fit(SimulatedStaleStrategy(replay=path, **options), tmp_path, model)
+def _replay(path, tmp_path, make_model=DropoutBatchNorm, trainer=None, **options):
+    trainer = _fit(SimulatedStaleStrategy(replay=path, **options), tmp_path, make_model, **(trainer or {}))
     return trainer.strategy.replay_report, trainer
 
 
@@ -129,9 +133,12 @@ def test_counterfactual_learning_rate_and_compensation(tmp_path):
     assert report["first_differing_update"] == stale[0]
     assert any(d["what"] == "update.weights" for d in report["differences"])
 
-    faster = DropoutBatchNorm()
-    faster.hparams.lr = 0.05
-    report, _ = _replay(path, tmp_path / "lr2", model=faster)
+    def faster():
+        model = DropoutBatchNorm()
+        model.hparams.lr = 0.05
+        return model
+
+    report, _ = _replay(path, tmp_path / "lr2", make_model=faster)
     assert report["first_differing_update"] == 1 and report["max_relative_difference"] > 0
     assert report["differences"][0]["what"] == "update.lr"
 
@@ -157,13 +164,13 @@ def test_refuses_a_log_of_another_model(recorded, tmp_path):
     path, _ = recorded
     with pytest.raises(EventLogError, match=r"another model: its tensor 0 is net.0.weight of shape "
                                             r"\(16, 8\), this module's is net.0.weight of shape \(12, 8\)"):
-        _replay(path, tmp_path, model=DropoutBatchNorm(hidden=12))
+        _replay(path, tmp_path, make_model=lambda: DropoutBatchNorm(hidden=12))
 
 
 def test_refuses_other_trainer_limits(recorded, tmp_path):
     path, _ = recorded
     with pytest.raises(EventLogError, match=r"max_epochs=3 \(recorded: 2\)"):
-        _replay(path, tmp_path, max_epochs=3)
+        _replay(path, tmp_path, trainer={"max_epochs": 3})
 
 
 @pytest.mark.parametrize("damage,message", [
