@@ -32,9 +32,11 @@ model. Every line has a ``"kind"``; the first line is the header, the last the s
 
 Digests (`state_digest`): ``sha256`` of the parameters-and-buffers vector's bytes (bit identity)
 and of the optimizer state's bytes, and, per tensor, its sum and Euclidean norm in float64
-(``tensors``, ``optimizer_tensors``): hashes say whether two states are the same bit for bit,
-the sums and norms how far apart they are where they are not (a replay with other options, or
-on another machine, is not expected to be bit-identical).
+(``tensors``: ``[sum, norm]`` in the header's ``parameters`` order; ``optimizer_tensors``:
+``[name, numel, sum, norm]``). The hashes say whether two states are the same bit for bit;
+the sums and norms bound how far apart they are where they are not (`relative_difference`: a
+replay with other options, or on another machine, is not expected to be bit-identical). Floats
+are written as Python's shortest repr, which reads back to the same float64.
 """
 
 from __future__ import annotations
@@ -106,20 +108,25 @@ def state_digest(state: Any) -> dict:
             optimizer.update(f"{i}.{key}".encode())
             if isinstance(value, Tensor):
                 optimizer.update(tensor_bytes(value))
-                optimizer_tensors.append([f"{i}.{key}", *_summary(value)])
+                optimizer_tensors.append([f"{i}.{key}", value.numel(), *_summary(value)])
             else:
                 optimizer.update(repr(value).encode())
     return {"sha256": params.hexdigest(), "optimizer_sha256": optimizer.hexdigest(),
             "tensors": [_summary(t) for t in tensors], "optimizer_tensors": optimizer_tensors}
 
 
-def relative_difference(a: float, b: float) -> float:
-    """|a - b| relative to the larger magnitude (0 when both are 0; inf when one is not finite)."""
+def relative_difference(a: list[float], b: list[float], numel: int) -> float:
+    """A lower bound of ||x - y|| / max(||x||, ||y||) for two tensors of ``numel`` values known
+    only by their digests' ``[sum, norm]``: by the triangle inequality | ||x|| - ||y|| | <=
+    ||x - y||, and by Cauchy-Schwarz |sum(x) - sum(y)| <= sqrt(numel) ||x - y||. 0 when the
+    summaries agree; inf when one is not finite."""
     if a == b:
         return 0.0
-    if not (math.isfinite(a) and math.isfinite(b)):
+    if not all(math.isfinite(v) for v in (*a, *b)):
         return math.inf
-    return abs(a - b) / max(abs(a), abs(b))
+    bound = max(abs(a[1] - b[1]), abs(a[0] - b[0]) / math.sqrt(max(1, numel)))
+    scale = max(a[1], b[1])
+    return bound / scale if scale > 0 else math.inf
 
 
 def seed_for(seed: int, learner: int, index: int) -> int:

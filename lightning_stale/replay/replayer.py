@@ -48,6 +48,7 @@ class ReplayComparison:
         self.max_relative_difference = 0.0
         self.first_differing_update: int | None = None
         self._seen = defaultdict(int)
+        self._losses: list[float | None] = []  # the replay's push losses
 
     def differ(self, what: str, recorded: Any, replayed: Any, update: int | None = None,
                push: int | None = None, relative: float | None = None) -> None:
@@ -80,6 +81,7 @@ class ReplayComparison:
 
     def _push(self, mine: dict) -> None:
         n = mine["push"]
+        self._losses.append(mine.get("loss"))
         if n >= len(self.log.pushes):
             self.differ("push", None, {k: mine.get(k) for k in _PUSH_FIELDS}, push=n)
             return
@@ -102,7 +104,7 @@ class ReplayComparison:
             self.compare_digests(theirs["digest"], mine["digest"], j)
 
     def compare_digests(self, theirs: dict, mine: dict, update: int | None) -> None:
-        names = [n for n, _ in self.log.header["parameters"]]
+        layout = self.log.header["parameters"]
         for key, label in (("tensors", "parameters"), ("optimizer_tensors", "optimizer state")):
             a_list, b_list = theirs[key], mine[key]
             if len(a_list) != len(b_list):
@@ -110,11 +112,13 @@ class ReplayComparison:
                 continue
             worst, where = 0.0, None
             for i, (a, b) in enumerate(zip(a_list, b_list)):
-                values_a, values_b = (a[1:], b[1:]) if key == "optimizer_tensors" else (a, b)
-                for x, y in zip(values_a, values_b):
-                    r = relative_difference(x, y)
-                    if r > worst or (where is None and r > 0):
-                        worst, where = r, (a[0] if key == "optimizer_tensors" else names[i], x, y)
+                if key == "optimizer_tensors":  # [name, numel, sum, norm]
+                    name, numel, a, b = a[0], a[1], a[2:], b[2:]
+                else:
+                    name, numel = layout[i][0], math.prod(layout[i][1])
+                r = relative_difference(a, b, numel)
+                if r > worst or (where is None and r > 0):
+                    worst, where = r, (name, a, b)
             self.max_relative_difference = max(self.max_relative_difference, worst)
             hash_key = "sha256" if key == "tensors" else "optimizer_sha256"
             if theirs[hash_key] != mine[hash_key]:
@@ -123,8 +127,8 @@ class ReplayComparison:
                             update=update, relative=worst)
                 if tensor is not None:
                     self.differences[-1]["tensor"] = tensor
-                    self.differences[-1]["recorded_value"] = where[1]
-                    self.differences[-1]["replayed_value"] = where[2]
+                    self.differences[-1]["recorded_sum_norm"] = where[1]
+                    self.differences[-1]["replayed_sum_norm"] = where[2]
 
     def _other(self, mine: dict) -> None:
         kind = mine["kind"]
@@ -146,8 +150,21 @@ class ReplayComparison:
         if stop.get("digest") and final_digest:
             self.compare_digests(stop["digest"], final_digest, None)
 
+    def late_loss(self) -> dict:
+        """Mean training loss of the last quarter of the pushes, recorded and replayed: how the
+        two runs compare at their end (a counterfactual's answer at a glance)."""
+        n = min(len(self._losses), len(self.log.pushes))
+        start = n - max(1, n // 4)
+
+        def mean(values: list) -> float:
+            kept = [v for v in values if v is not None]
+            return sum(kept) / len(kept) if kept else math.nan
+
+        return {"pushes": [start, n], "recorded": mean([p.get("loss") for p in self.log.pushes[start:n]]),
+                "replayed": mean(self._losses[start:n])}
+
     def report(self) -> dict:
-        return {"checked_updates": self.checked_updates,
+        return {"late_loss": self.late_loss(), "checked_updates": self.checked_updates,
                 "max_relative_difference": self.max_relative_difference,
                 "differences": list(self.differences), "difference_count": self.count,
                 "first_differing_update": self.first_differing_update,

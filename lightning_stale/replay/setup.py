@@ -61,7 +61,7 @@ def start_recording(strategy: Any, module: Any, path: Path) -> EventRecorder:
         "parameters": module_layout(module), "optimizer": type(strategy.optimizers[0]).__qualname__,
         "trainer": trainer_limits(trainer),
         "sampler": {"kind": "RandomSampler(replacement=True) per training loader",
-                    "generator_seed": "seed + loaders made before it in this strategy",
+                    "generator_seed": strategy.seed + strategy._loaders_made - 1,
                     "draw": "index of the push's first batch among the fit's training batches"},
     }
     return EventRecorder(EventWriter(path), header, strategy.digest_every)

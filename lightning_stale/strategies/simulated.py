@@ -298,6 +298,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._final_stats = self.server.stats()  # fit interrupted before on_train_end
         if self._recorder is not None:
             self._recorder.close()  # no stop line: the log reads as truncated
+            if self._replay_log is None and "events_path" not in self._final_stats:
+                self._final_stats["events_path"] = self._recorder.path
         super().teardown()
 
     # ---------------------------------------------------------------- one push per step

@@ -203,3 +203,14 @@ def test_record_events_paths_and_options(tmp_path):
     trainer = _fit(strategy, tmp_path, max_epochs=1)
     assert trainer.strategy.stats["events_path"] == str(tmp_path / "x" / "run.jsonl")
     assert read_events(tmp_path / "x" / "run.jsonl").stop["epochs"] == 1
+
+
+def test_adaptive_k_replays_with_the_recorded_k(tmp_path):
+    path, trainer = _record(tmp_path, "k_async", None, adaptive_k={"interval_s": 0.3, "k0": 1, "window": 2})
+    log = read_events(path)
+    ks = [u["k"] for u in log.updates]
+    assert len(set(ks)) > 1, ks  # AdaSync changed K during the run
+    assert log.header["adaptive_k"] is not None
+    report, replayed = _replay(path, tmp_path / "replay")
+    assert report["identical"], report["differences"][:3]
+    assert replayed.strategy.stats["updates"] == len(ks)
