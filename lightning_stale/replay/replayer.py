@@ -28,7 +28,7 @@ from lightning_stale.engine.state import Contribution, ServerState
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
-from lightning_stale.replay.events import EventLog, MemoryWriter, relative_difference
+from lightning_stale.replay.events import EventLog, relative_difference
 from lightning_stale.replay.recorder import EventRecorder
 
 MAX_DIFFERENCES = 20  # differences listed in the report (all are counted)

@@ -8,8 +8,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_stale.replay.events import (EVENTS_FILE_NAME, EventLog, EventLogError, EventWriter,
-                                           check_layout, module_layout, read_events)
+from lightning_stale.replay.events import (
+    EVENTS_FILE_NAME,
+    EventLog,
+    EventLogError,
+    EventWriter,
+    check_layout,
+    module_layout,
+    read_events,
+)
 from lightning_stale.replay.recorder import EventRecorder
 
 TRAINER_LIMITS = ("max_steps", "max_epochs", "limit_train_batches", "accumulate_grad_batches",

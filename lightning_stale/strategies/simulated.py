@@ -33,8 +33,14 @@ from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.replay.events import batch_digest, seed_for
 from lightning_stale.replay.recorder import EventRecorder
-from lightning_stale.replay.setup import (check_events_options, combined_digest, events_path, replay_log,
-                                          start_recording, start_replay)
+from lightning_stale.replay.setup import (
+    check_events_options,
+    combined_digest,
+    events_path,
+    replay_log,
+    start_recording,
+    start_replay,
+)
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.lightning_api import set_global_step, set_root_device, with_sampler
 from lightning_stale.strategies.namespaces import register_everywhere
