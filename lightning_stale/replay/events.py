@@ -178,6 +178,19 @@ class EventLog:
     events: list[dict] = field(default_factory=list)  # every line after the header, in order
     stop: dict = field(default_factory=dict)
 
+    def fate(self, push: int) -> dict:
+        """What the server did with push ``push``: ``{"applied": j, "weight": w}``,
+        ``{"dropped": reason}`` or ``{"in_flight_at_stop": True}``."""
+        event = self.pushes[push]
+        if not event["accepted"]:
+            return {"dropped": event["dropped"]}
+        for update in self.updates:
+            if push in update["contributions"]:
+                i = update["contributions"].index(push)
+                weight = 1.0 if update["weights"] is None else update["weights"][i]
+                return {"applied": update["update"], "weight": weight}
+        return {"in_flight_at_stop": True}
+
 
 _REQUIRED = {
     "header": ("format", "version", "engine", "variant", "k", "p", "seed", "parameters",
@@ -236,6 +249,9 @@ def read_events(path: str | os.PathLike) -> EventLog:
                                     "was due: a push is missing or repeated")
             if not 0 <= event["learner"] < log.header["p"]:
                 raise EventLogError(f"{where}: learner {event['learner']} of P={log.header['p']}")
+            if not 0 <= event["version"] <= len(log.updates):
+                raise EventLogError(f"{where}: push {event['push']} was computed at version "
+                                    f"{event['version']}, but {len(log.updates)} updates came before it")
             log.pushes.append(event)
         elif kind == "update":
             if event["update"] != len(log.updates) + 1:

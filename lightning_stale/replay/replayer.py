@@ -245,8 +245,8 @@ class ReplayServer(SimulatedServer):
             self._keep(outcome.update.version)
             self._set_k()
         done = self._next - 1
-        for version in [v for v, last in self._last_use.items() if last <= done and v in self._versions]:
-            if version != self.core.version:
+        for version in list(self._versions):
+            if version != self.core.version and self._last_use.get(version, -1) <= done:
                 del self._versions[version]
         return outcome
 

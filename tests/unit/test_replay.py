@@ -214,3 +214,36 @@ def test_adaptive_k_replays_with_the_recorded_k(tmp_path):
     report, replayed = _replay(path, tmp_path / "replay")
     assert report["identical"], report["differences"][:3]
     assert replayed.strategy.stats["updates"] == len(ks)
+
+
+def test_fate_of_every_push(tmp_path):
+    path, trainer = _record(tmp_path, "k_sync", 2, staleness_compensation="inverse")
+    log = read_events(path)
+    fates = [log.fate(p["push"]) for p in log.pushes]
+    stats = trainer.strategy.stats
+    assert sum("applied" in f for f in fates) == stats["gradients_applied"]
+    assert sum("dropped" in f for f in fates) == stats["gradients_dropped"]
+    assert sum("in_flight_at_stop" in f for f in fates) == stats["gradients_in_flight_at_stop"]
+    assert all(f["weight"] == 1.0 for f in fates if "applied" in f)  # K-sync: never stale
+
+
+def test_recording_changes_nothing_but_the_random_state(tmp_path):
+    from user_modules import Classifier  # no dropout: the per-push seeds draw nothing
+
+    def final_state(record_events):
+        strategy = SimulatedStaleStrategy("k_batch_async", 2, num_learners=3, record_events=record_events)
+        return _fit(strategy, tmp_path, Classifier).model.state_dict()
+
+    recorded, plain = final_state(True), final_state(False)
+    assert all(torch.equal(recorded[name], plain[name]) for name in plain)
+
+
+def test_refuses_a_push_from_a_version_never_made(recorded, tmp_path):
+    _, events = recorded
+    first_push = next(i for i, e in enumerate(events) if e["kind"] == "push")
+    bad = [dict(e) for e in events]
+    bad[first_push]["version"] = 3
+    _write(tmp_path / "bad.jsonl", bad)
+    with pytest.raises(EventLogError, match=r"line 2: push 0 was computed at version 3, but 0 updates "
+                                            r"came before it"):
+        SimulatedStaleStrategy(replay=tmp_path / "bad.jsonl")
