@@ -247,3 +247,16 @@ def test_refuses_a_push_from_a_version_never_made(recorded, tmp_path):
     with pytest.raises(EventLogError, match=r"line 2: push 0 was computed at version 3, but 0 updates "
                                             r"came before it"):
         SimulatedStaleStrategy(replay=tmp_path / "bad.jsonl")
+
+
+def test_checkpoints_of_a_recorded_fit(tmp_path):
+    strategy = SimulatedStaleStrategy("k_async", 2, num_learners=3, record_events=True)
+    trainer = _fit(strategy, tmp_path, enable_checkpointing=True, max_epochs=1)
+    checkpoint = next(tmp_path.rglob("*.ckpt"))  # saved mid-fit: the open log is not pickled
+    assert read_events(trainer.strategy.stats["events_path"]).stop["epochs"] == 1
+    resumed = SimulatedStaleStrategy("k_async", 2, num_learners=3, record_events=tmp_path / "again")
+    with pytest.warns(UserWarning, match="a resumed fit is not recorded"):
+        pl.Trainer(strategy=resumed, **{**QUIET, "max_epochs": 2}).fit(
+            DropoutBatchNorm(), datamodule=BlobData(batch_size=16, n=80), ckpt_path=checkpoint)
+    assert not (tmp_path / "again" / "events.jsonl").exists()
+    assert "events_path" not in resumed.stats
