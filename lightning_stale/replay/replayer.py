@@ -49,6 +49,7 @@ class ReplayComparison:
         self.first_differing_update: int | None = None
         self._seen = defaultdict(int)
         self._losses: list[float | None] = []  # the replay's push losses
+        self.changed_options: dict[str, list] = {}  # option -> [recorded, replayed]
 
     def differ(self, what: str, recorded: Any, replayed: Any, update: int | None = None,
                push: int | None = None, relative: float | None = None) -> None:
@@ -164,11 +165,12 @@ class ReplayComparison:
                 "replayed": mean(self._losses[start:n])}
 
     def report(self) -> dict:
-        return {"late_loss": self.late_loss(), "checked_updates": self.checked_updates,
+        return {"checked_updates": self.checked_updates,
                 "max_relative_difference": self.max_relative_difference,
                 "differences": list(self.differences), "difference_count": self.count,
                 "first_differing_update": self.first_differing_update,
-                "identical": self.count == 0, "log": self.log.path}
+                "identical": self.count == 0, "late_loss": self.late_loss(),
+                "changed_options": dict(self.changed_options), "log": self.log.path}
 
 
 def _plain(name: str, event: dict) -> Any:
@@ -194,6 +196,11 @@ class ReplayServer(SimulatedServer):
                  compensation: StalenessCompensation | None = None) -> None:
         self.log = log
         self.comparison = ReplayComparison(log)
+        replayed = {"optimizer": type(state.optimizer).__qualname__,
+                    "staleness_compensation": None if compensation is None else repr(compensation)}
+        for name, value in replayed.items():
+            if log.header.get(name) != value:
+                self.comparison.changed_options[name] = [log.header.get(name), value]
         header = {k: v for k, v in log.header.items() if k not in ("kind", "format", "version", "digest_every")}
         self.recorder = EventRecorder(self.comparison, header, log.header["digest_every"])
         self.core = ServerCore(variant, state, ServerLimits(), None, compensation,

@@ -13,6 +13,7 @@ from torch import nn
 
 from engines import QUIET
 from lightning_stale import SimulatedStaleStrategy
+from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.replay import FORMAT_VERSION, EventLogError, read_events
 from user_modules import BlobData, WarmupAdamW
 
@@ -131,6 +132,7 @@ def test_counterfactual_learning_rate_and_compensation(tmp_path):
     stale = [u["update"] for u in log.updates if max(u["staleness"]) > 1]
     assert stale, "the recorded run has no stale update to compensate"
     assert report["first_differing_update"] == stale[0]
+    assert report["changed_options"] == {"staleness_compensation": [None, repr(StalenessCompensation.create("inverse"))]}
     assert any(d["what"] == "update.weights" for d in report["differences"])
 
     def faster():
@@ -141,6 +143,16 @@ def test_counterfactual_learning_rate_and_compensation(tmp_path):
     report, _ = _replay(path, tmp_path / "lr2", make_model=faster)
     assert report["first_differing_update"] == 1 and report["max_relative_difference"] > 0
     assert report["differences"][0]["what"] == "update.lr"
+    assert report["changed_options"] == {}
+
+    class WithSGD(DropoutBatchNorm):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+    report, _ = _replay(path, tmp_path / "sgd", make_model=WithSGD)
+    assert report["changed_options"] == {"optimizer": ["AdamW", "SGD"]}
+    assert report["first_differing_update"] == 1
+    assert report["differences"][0]["what"] == "update.lr"  # no warm-up any more
 
 
 @pytest.fixture(scope="module")
