@@ -12,9 +12,10 @@ model. Every line has a ``"kind"``; the first line is the header, the last the s
   of other shapes), ``optimizer`` (its class), ``digest_every``, ``trainer`` (the Trainer's
   limits that decide when the fit ends) and ``sampler`` (how mini-batches are drawn).
 - ``push``: ``push`` (its id: 0, 1, ... in arrival order), ``learner``, ``index`` (the learner's
-  own push count, from 0), ``version`` (the version its gradient was computed at), ``t`` (the
-  engine's clock at the push), ``loss``, what the server did (``accepted``: kept for an update;
-  ``dropped``: the reason, e.g. ``"stale"``, ``"overflow"``, ``"in_flight_at_stop"``;
+  own push count, from 0), ``version`` (the version its gradient was computed at), ``t``
+  (training seconds at the push, pauses excluded: virtual seconds in the simulator), ``loss``,
+  what the server did (``accepted``: kept for an update; ``dropped``: the reason, e.g.
+  ``"stale"``, ``"overflow"``, ``"in_flight_at_stop"``;
   ``update``: the update it completed, if any), ``cancel`` (learners whose unfinished work it
   cancelled) and what the engine adds to draw the same push again: ``draw`` (the index of its
   first mini-batch in the fit's sequence of training batches), ``batches`` (micro-batches),

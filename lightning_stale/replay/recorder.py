@@ -39,6 +39,11 @@ class EventRecorder:
     def path(self) -> str | None:
         return self.writer.path
 
+    @property
+    def stop_digest(self) -> dict | None:
+        """The digest of the server's state at the stop (None before it)."""
+        return self._stop_event.get("digest") if self._stopped else None
+
     # ------------------------------------------------------------------ from the engine
     def next_push(self, **extra: Any) -> None:
         """Fields of the next push only the engine knows (``draw``, ``batches``, ``batch``,
@@ -60,7 +65,7 @@ class EventRecorder:
         self._pushes += 1
         self.writer.write({
             "kind": "push", "push": push.id, "learner": push.learner, "index": index,
-            "version": push.version, "t": float(clock),
+            "version": push.version, "t": core.running_time(clock),
             "loss": None if loss is None or math.isnan(loss) else float(loss),
             "accepted": decision.accepted, "dropped": decision.dropped,
             "update": decision.update.index if decision.update is not None else None,
@@ -85,7 +90,7 @@ class EventRecorder:
                            "pushes": self._pushes})
 
     def on_remove_learner(self, core: Any, learner: int, clock: float) -> None:
-        self.writer.write({"kind": "remove_learner", "learner": learner, "t": float(clock)})
+        self.writer.write({"kind": "remove_learner", "learner": learner, "t": core.running_time(clock)})
 
     def on_stop(self, core: Any, pending: tuple[int, ...]) -> None:
         if self._stopped:

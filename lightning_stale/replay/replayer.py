@@ -216,10 +216,6 @@ class ReplayServer(SimulatedServer):
         self._keep(0)
         self._set_k()
 
-    @property
-    def pushes_left(self) -> int:
-        return len(self.log.pushes) - self._next
-
     def next_push(self) -> dict:
         """The next recorded push (its ``draw``, ``rng`` ...); `next_finish` moves past it."""
         if self._next >= len(self.log.pushes):
@@ -252,9 +248,8 @@ class ReplayServer(SimulatedServer):
             self._keep(outcome.update.version)
             self._set_k()
         done = self._next - 1
-        for version in list(self._versions):
-            if version != self.core.version and self._last_use.get(version, -1) <= done:
-                del self._versions[version]
+        for version in [v for v in self._versions if self._last_use[v] <= done]:
+            del self._versions[version]
         return outcome
 
     def end_epoch(self, metrics=None) -> None:
@@ -266,12 +261,11 @@ class ReplayServer(SimulatedServer):
 
     def finish(self) -> dict:
         """Compare the end of the replay with the log's; returns the report."""
-        digest = self.recorder._stop_event.get("digest") if self.recorder._stopped else None
-        self.comparison.finish(self._next, self.core.updates, digest)
+        self.comparison.finish(self._next, self.core.updates, self.recorder.stop_digest)
         return self.comparison.report()
 
     def _keep(self, version: int) -> None:
-        if version in self._last_use or version == self.core.version:
+        if version in self._last_use:  # a later push was computed at it
             self._versions[version] = self.core.state.snapshot(version)
 
     def _set_k(self) -> None:
