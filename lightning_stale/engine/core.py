@@ -23,6 +23,12 @@ dropped, no learner is cancelled or refreshed, and work in flight carries into t
 The engine pauses the clock at the epoch's end and calls `begin_epoch` when training goes on;
 the time between (validation, checkpoints) is not training time: `running_time` excludes it, and
 so do the update records and ``mean_update_interval_s``.
+
+Observer: an optional object (``observer=``, e.g. `lightning_stale.replay.EventRecorder`) that
+the core tells, as they happen, about every push's decision, every update (its contributions in
+the order they were summed, their weights, the learning rates of the step), epoch ends, learners
+removed and the stop, so that every engine records its event log through this one place
+(docs/replay.md). Without one, nothing is called and nothing else changes.
 """
 
 from __future__ import annotations
@@ -88,13 +94,16 @@ class ServerCore:
         keep_snapshots: keep the flat parameters of every version a learner holds or a pending
             gradient was computed at (`parameters_at`); the "norm" compensation implies it.
         clock: the engine's clock at the start of training.
+        observer: told about pushes, updates, epoch ends and the stop (see the module
+            docstring), or None.
     """
 
     def __init__(self, variant: Variant, state: ServerState | None = None,
                  limits: ServerLimits | None = None, adaptive: AdaptiveK | None = None,
                  compensation: StalenessCompensation | None = None,
-                 keep_snapshots: bool = False, clock: float = 0.0) -> None:
+                 keep_snapshots: bool = False, clock: float = 0.0, observer=None) -> None:
         self.rules = ServerRules(variant)
+        self.observer = observer
         self.state = state
         self.limits = limits or ServerLimits()
         self.adaptive, self.compensation = adaptive, compensation
@@ -161,8 +170,13 @@ class ServerCore:
         """Learner ``learner`` pushed a gradient computed at parameters of ``version``;
         ``unusable`` names why the push carries no usable gradient (e.g. "overflow")."""
         if self.rules.stopped:  # arrived after the stop: counted as in flight, nothing else
-            return Outcome(self.rules.on_push(learner, version))
+            decision = self.rules.on_push(learner, version)
+            if self.observer is not None:
+                self.observer.on_push(self, decision, clock, loss)
+            return Outcome(decision)
         decision = self.rules.on_push(learner, version, unusable)
+        if self.observer is not None:
+            self.observer.on_push(self, decision, clock, loss)
         if decision.accepted and decision.push is not None:
             self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
         applied = self._apply(decision.update, clock) if decision.update is not None else None
@@ -191,6 +205,8 @@ class ServerCore:
         """Learner ``learner`` died: K is clamped to the learners left, which may complete an
         update now (see `ServerRules.remove_learner`)."""
         decision = self.rules.remove_learner(learner)
+        if self.observer is not None:
+            self.observer.on_remove_learner(self, learner, clock)
         applied = self._apply(decision.update, clock) if decision.update is not None else None
         if 0 <= self.limits.max_updates <= self.updates:
             self.stop()
@@ -201,6 +217,8 @@ class ServerCore:
         """An epoch ended; training stops if that was the last epoch or update."""
         self.epoch += 1
         self._pushes_this_epoch = 0
+        if self.observer is not None:
+            self.observer.on_epoch_end(self)
         if 0 <= self.limits.max_epochs <= self.epoch or 0 <= self.limits.max_updates <= self.updates:
             self.stop()
 
@@ -219,6 +237,8 @@ class ServerCore:
 
     def stop(self) -> None:
         """Training is over: pending gradients and later pushes count as in flight at stop."""
+        if self.observer is not None and not self.rules.stopped:
+            self.observer.on_stop(self, tuple(self._pending))
         self.rules.stop()
         self._pending.clear()
 
@@ -269,9 +289,16 @@ class ServerCore:
         order = sorted(range(len(pushed)), key=lambda i: update.gradients[i].learner)
         contributions = tuple(pushed[i].contribution for i in order)
         weights = None if weights is None else tuple(weights[i] for i in order)
+        lrs = None  # the learning rates this step uses (read before the schedulers step)
+        if self.observer is not None and self.state is not None:
+            self.state.schedules.sync_options()
+            lrs = tuple(float(g["lr"]) for g in self.state.optimizer.param_groups)
         if self.state is not None:
             self.state.apply(cast("list[Contribution]", list(contributions)), weights, update.index)
             self._snapshot_current()
+        if self.observer is not None:
+            self.observer.on_update(self, update, tuple(update.gradients[i].id for i in order),
+                                    weights, lrs)
         self.samples += sum(p.samples for p in pushed)
         self._last_update_s = self.running_time(clock)
         record = UpdateRecord(

@@ -94,6 +94,7 @@ class SimulatedServer:
         # optimizer wrapped for the schedulers cannot be pickled: the state is re-attached.
         core = self.core.__dict__.copy()
         core["state"], core["_records"] = None, []
+        core["observer"] = None  # an event log is written by its own fit only
         return {"core": core, "cluster": self.cluster}
 
     def __setstate__(self, saved: dict) -> None:

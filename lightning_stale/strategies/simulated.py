@@ -29,7 +29,18 @@ from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.engine.state import ModelVectors, ServerState
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
+from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
+from lightning_stale.replay.events import batch_digest, seed_for
+from lightning_stale.replay.recorder import EventRecorder
+from lightning_stale.replay.setup import (
+    check_events_options,
+    combined_digest,
+    events_path,
+    replay_log,
+    start_recording,
+    start_replay,
+)
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.lightning_api import set_global_step, set_root_device, with_sampler
 from lightning_stale.strategies.namespaces import register_everywhere
@@ -64,6 +75,21 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             ``delays.csv`` in the trainer's log dir (first logger, else ``default_root_dir``), a
             ``.csv`` path for that file, any other path for ``delays.csv`` in that folder.
         device: torch device; None picks the accelerator's first device.
+        record_events: write the run's event log (docs/replay.md): True for ``events.jsonl``
+            beside the delay trace (the first logger's log dir, else ``default_root_dir``), a
+            ``.jsonl`` path for that file, any other path for ``events.jsonl`` in that folder;
+            False (the default) for none. While recording, torch's generators are seeded before
+            each push with a seed derived from ``seed``, the learner and its push index (so that
+            its dropout can be drawn again), which replaces the global generator's stream.
+        digest_every: with ``record_events``, a digest of the server's parameters and optimizer
+            state after every ``digest_every``-th update (0: at the stop only).
+        replay: the path of an event log to re-execute instead of the virtual clock: variant, K,
+            P, the seed and the arrival order come from the log (giving another variant, K or
+            P is an error); the learning rate (the module's), the optimizer and
+            ``staleness_compensation`` may differ. Each push is computed at its recorded version
+            on its recorded mini-batch with its recorded seed. Run it with the recorded run's
+            module, data and Trainer limits; afterwards ``replay_report`` says where the
+            replay and the log differ (`lightning_stale.replay.replayer`).
 
     During fit: ``trainer.global_step`` is the number of server updates (so ``max_steps`` counts
     them, and ``estimated_stepping_batches`` estimates them); a push is one optimizer step
@@ -77,7 +103,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     as in the real engine: a simulated learner computes with the buffers of the version it
     pulled, and each update's buffers are the mean of its pushes' buffers.
     After fit: ``stats`` (counters and virtual-time figures), the module holds the final server
-    parameters, and ``trace_recorder`` holds the recorded delays.
+    parameters, ``trace_recorder`` holds the recorded delays, ``stats["events_path"]`` names the
+    event log (``record_events``) and ``replay_report`` is the replay's report (``replay``).
 
     Not supported (clear errors at setup): manual optimization, more than one optimizer.
     """
@@ -86,16 +113,30 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     virtual_clock = True  # UpdateRecord.clock is virtual seconds since the start
     lightning_base = "SingleDeviceStrategy"
 
-    def __init__(self, variant: str = "k_async", k: int | None = None,
-                 delay: DelayModel | None = None, num_learners: int = 4,
+    def __init__(self, variant: str | None = None, k: int | None = None,
+                 delay: DelayModel | None = None, num_learners: int | None = None,
                  compute_time: float = 0.0,
                  adaptive_k: float | dict | AdaptiveK | None = None,
                  staleness_compensation: str | dict | StalenessCompensation | None = None,
                  seed: int = 0, record_trace: bool | str | os.PathLike | None = None,
-                 device: str | torch.device | None = None, **kwargs: Any) -> None:
+                 device: str | torch.device | None = None,
+                 record_events: bool | str | os.PathLike = False, digest_every: int = 1,
+                 replay: str | os.PathLike | None = None, **kwargs: Any) -> None:
         # (the Lightning base is joined at import, `strategies.namespaces`: not visible here)
         super().__init__(device="cpu" if device is None else device, **kwargs)  # type: ignore[call-arg]
         self._device_given = device is not None
+        self._replay_log = None
+        if replay is not None:
+            self._replay_log = replay_log(replay, variant, k, num_learners, adaptive_k, record_events)
+            header = self._replay_log.header
+            variant, num_learners, seed = header["variant"], header["p"], header["seed"]
+            k, compute_time = header["k"] if Variant.k_applies_to(variant) else None, header["compute_time"]
+        variant = "k_async" if variant is None else variant
+        num_learners = 4 if num_learners is None else num_learners
+        check_events_options(record_events, digest_every)
+        self.record_events, self.digest_every = record_events, digest_every
+        self.replay_report: dict | None = None
+        self._recorder: EventRecorder | None = None
         delay = NoDelay() if delay is None else delay
         self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
                                   record_trace, seed)
@@ -113,6 +154,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._batch_samples = 0
         self._epoch = 0
         self._loaders_made = 0
+        self._draws = 0  # training batches handed to this fit so far
+        self._push_draw: dict = {}  # what the push in progress drew
         self.minibatch_times: list[float] = []  # each push's virtual X (MiniBatchTimer reads it)
 
     @property
@@ -161,7 +204,17 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._epoch = module.trainer.current_epoch
         self.settle_variant(self.num_learners)  # a fresh AdaSync schedule for this fit
         restored, self._resume = self._resume, None
+        self._recorder, self._draws = None, 0
+        if self._replay_log is not None:
+            if restored is not None:
+                raise ValueError("a replay starts from the recorded run's start: fit it without ckpt_path")
+            self.server = start_replay(self._replay_log, module, self.optimizers[0], state,
+                                       self.variant, self.staleness_compensation)
+            self._recorder = self.server.recorder
+            return
         if restored is not None and restored.get("engine") is not None:
+            if self.record_events:
+                rank_zero_warn("a resumed fit is not recorded: an event log starts with its run")
             self.server = pickle.loads(restored["engine"])
             self.server.attach(state)
             self._adaptive = self.server.core.adaptive
@@ -175,6 +228,9 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         assert self.variant is not None, "settled for this fit"
         self.server = SimulatedServer(state, self.variant, delay, self.compute_time,
                                       self._adaptive, self.staleness_compensation)
+        if self.record_events:
+            self._recorder = start_recording(self, module, events_path(self.record_events, module.trainer))
+            self.server.core.observer = self._recorder
         if restored is not None:
             rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "
                            "cannot continue: a new one starts from its parameters")
@@ -195,11 +251,26 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._retry = None
             self._learner_view.load_state(self.server.parameters_for(self._finish))
             self._batch_samples = 0
+            if self._recorder is not None:
+                self._push_draw = {"draw": self._draws, "batches": 0, "batch": [],
+                                   "rng": self._push_seed(self._finish)}
+                torch.manual_seed(self._push_draw["rng"])  # dropout drawn again in a replay
+        if self._recorder is not None:
+            self._push_draw["batches"] += 1
+            self._push_draw["batch"].append(batch_digest(batch))
+        self._draws += 1
         self._batch_samples += _batch_size(batch)
+
+    def _push_seed(self, finish: Finish) -> int:
+        if self._replay_log is not None:
+            return self.server.current_push()["rng"]
+        return seed_for(self.seed, finish.learner, self.server.rules.counts.pushes_per_learner[finish.learner])
 
     def _end_epoch(self) -> None:
         metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()}
         self._running.end_epoch(metrics)
+        if self._recorder is not None:
+            self._recorder.validation(self._running.core.epoch, metrics)
 
     @override
     def enter_validation(self) -> None:
@@ -220,6 +291,12 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._final_stats = self.server.stats()
         if self.trace_recorder is not None:
             self.write_trace(self.trace_recorder)
+        if self._recorder is not None:
+            self._recorder.finish(self.server.core)
+            if self._replay_log is not None:
+                self.replay_report = self.server.finish()
+            else:
+                self._final_stats["events_path"] = self._recorder.path
 
     @override
     def teardown(self) -> None:
@@ -227,6 +304,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._resume = None
         if self.server is not None and self._final_stats is None:
             self._final_stats = self.server.stats()  # fit interrupted before on_train_end
+        if self._recorder is not None:
+            self._recorder.close()  # no stop line: the log reads as truncated
+            if self._replay_log is None and "events_path" not in self._final_stats:
+                self._final_stats["events_path"] = self._recorder.path
         super().teardown()
 
     # ---------------------------------------------------------------- one push per step
@@ -248,6 +329,9 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._retry = finish
         else:
             contribution = None if overflow else self._learner_view.split_push(*self._learner_view.push_vector())
+            if self._recorder is not None:
+                self._recorder.next_push(**{**self._push_draw,
+                                            "batch": combined_digest(self._push_draw["batch"])})
             server.push(finish, contribution, float(loss), self._batch_samples,
                         unusable="overflow" if overflow else None)
             self.minibatch_times.append(finish.time - finish.started)  # X, for MiniBatchTimer
