@@ -220,7 +220,7 @@ def read_events(path: str | os.PathLike) -> EventLog:
         lines.pop()
     if not lines:
         raise EventLogError(f"{path} is empty: not an event log")
-    log = None
+    log: EventLog | None = None
     applied: set[int] = set()
     for number, line in enumerate(lines, start=1):
         where = f"{path}, line {number}"
@@ -232,11 +232,11 @@ def read_events(path: str | os.PathLike) -> EventLog:
             raise EventLogError(f"{where}: not an event (kind must be one of {', '.join(KINDS)})")
         kind = event["kind"]
         missing = [name for name in _REQUIRED[kind] if name not in event]
-        if number == 1:
+        if log is None:  # the first line
             _check_header(event, where)
         if missing:
             raise EventLogError(f"{where}: a {kind} event without {', '.join(missing)}")
-        if number == 1:
+        if log is None:
             log = EventLog(path, event)
             continue
         if kind == "header":
@@ -266,7 +266,8 @@ def read_events(path: str | os.PathLike) -> EventLog:
             log.updates.append(event)
         elif kind == "stop":
             log.stop = event
-    if log.header is not None and not log.stop:
+    assert log is not None  # (the file has a first line)
+    if not log.stop:
         raise EventLogError(f"{path} ends at line {len(lines)} without its stop event: the file is "
                             "truncated (the run did not finish, or the file was cut)")
     counted = {"pushes": len(log.pushes), "updates": len(log.updates),

@@ -47,7 +47,7 @@ class ReplayComparison:
         self.checked_updates = 0
         self.max_relative_difference = 0.0
         self.first_differing_update: int | None = None
-        self._seen = defaultdict(int)
+        self._seen: defaultdict[str, int] = defaultdict(int)
         self._losses: list[float | None] = []  # the replay's push losses
         self.changed_options: dict[str, list] = {}  # option -> [recorded, replayed]
 
@@ -123,10 +123,10 @@ class ReplayComparison:
             self.max_relative_difference = max(self.max_relative_difference, worst)
             hash_key = "sha256" if key == "tensors" else "optimizer_sha256"
             if theirs[hash_key] != mine[hash_key]:
-                tensor = where[0] if where else None
                 self.differ(f"{label} ({hash_key})", theirs[hash_key][:16], mine[hash_key][:16],
                             update=update, relative=worst)
-                if tensor is not None:
+                if where is not None:
+                    tensor = where[0]
                     self.differences[-1]["tensor"] = tensor
                     self.differences[-1]["recorded_sum_norm"] = where[1]
                     self.differences[-1]["replayed_sum_norm"] = where[2]
@@ -205,7 +205,7 @@ class ReplayServer(SimulatedServer):
         self.recorder = EventRecorder(self.comparison, header, log.header["digest_every"])
         self.core = ServerCore(variant, state, ServerLimits(), None, compensation,
                                keep_snapshots=compensation is not None, observer=self.recorder)
-        self.cluster = None
+        self.cluster = None  # type: ignore[assignment]  # the log, not a clock, orders the pushes
         self.now = 0.0
         self._next = 0  # the next recorded push
         # Versions later pushes were computed at: their snapshots are kept until the last of them.
@@ -266,7 +266,7 @@ class ReplayServer(SimulatedServer):
 
     def _keep(self, version: int) -> None:
         if version in self._last_use:  # a later push was computed at it
-            self._versions[version] = self.core.state.snapshot(version)
+            self._versions[version] = self.state.snapshot(version)
 
     def _set_k(self) -> None:
         """The K in force for the next update, as recorded (AdaSync changes it between updates)."""

@@ -18,6 +18,7 @@ from lightning_stale.replay.events import (
     read_events,
 )
 from lightning_stale.replay.recorder import EventRecorder
+from lightning_stale.replay.replayer import ReplayServer
 
 TRAINER_LIMITS = ("max_steps", "max_epochs", "limit_train_batches", "accumulate_grad_batches",
                   "num_training_batches")
@@ -98,11 +99,9 @@ def replay_log(path: Any, variant: Any, k: Any, num_learners: Any, adaptive_k: A
 
 
 def start_replay(log: EventLog, module: Any, optimizer: Any, state: Any, variant: Any,
-                 compensation: Any) -> Any:
+                 compensation: Any) -> ReplayServer:
     """The `ReplayServer` of ``log`` for this fit, once the module and the Trainer are known:
     refuses a log of another model (names and shapes) or of other Trainer limits."""
-    from lightning_stale.replay.replayer import ReplayServer
-
     check_layout(log.header["parameters"], module, log.path)
     recorded, mine = log.header.get("trainer", {}), trainer_limits(module.trainer)
     other = [f"{name}={mine[name]!r} (recorded: {recorded[name]!r})" for name in recorded

@@ -33,6 +33,7 @@ from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.replay.events import batch_digest, seed_for
 from lightning_stale.replay.recorder import EventRecorder
+from lightning_stale.replay.replayer import ReplayServer
 from lightning_stale.replay.setup import (
     check_events_options,
     combined_digest,
@@ -208,9 +209,9 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         if self._replay_log is not None:
             if restored is not None:
                 raise ValueError("a replay starts from the recorded run's start: fit it without ckpt_path")
-            self.server = start_replay(self._replay_log, module, self.optimizers[0], state,
-                                       self.variant, self.staleness_compensation)
-            self._recorder = self.server.recorder
+            replaying = start_replay(self._replay_log, module, self.optimizers[0], state,
+                                     self.variant, self.staleness_compensation)
+            self.server, self._recorder = replaying, replaying.recorder
             return
         if restored is not None and restored.get("engine") is not None:
             if self.record_events:
@@ -262,9 +263,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._batch_samples += _batch_size(batch)
 
     def _push_seed(self, finish: Finish) -> int:
-        if self._replay_log is not None:
-            return self.server.current_push()["rng"]
-        return seed_for(self.seed, finish.learner, self.server.rules.counts.pushes_per_learner[finish.learner])
+        server = self._running
+        if isinstance(server, ReplayServer):
+            return server.current_push()["rng"]
+        return seed_for(self.seed, finish.learner, server.rules.counts.pushes_per_learner[finish.learner])
 
     def _end_epoch(self) -> None:
         metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()}
@@ -306,8 +308,9 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._final_stats = self.server.stats()  # fit interrupted before on_train_end
         if self._recorder is not None:
             self._recorder.close()  # no stop line: the log reads as truncated
-            if self._replay_log is None and "events_path" not in self._final_stats:
-                self._final_stats["events_path"] = self._recorder.path
+            stats = self._final_stats
+            if self._replay_log is None and stats is not None and "events_path" not in stats:
+                stats["events_path"] = self._recorder.path
         super().teardown()
 
     # ---------------------------------------------------------------- one push per step
