@@ -83,21 +83,11 @@ def _prose(lines: list[str]) -> str:
     return "\n".join(out).strip()
 
 
-# Comments in conf/ that point at README sections, and the page that now holds each topic.
-README_SECTIONS = {
-    "Server paths": "../concepts/paths.md",
-    "Freed memory is kept for reuse": "../concepts/server.md#freed-memory-is-kept-for-reuse",
-    "Shared memory on one host": "../concepts/server.md#shared-memory-on-one-host",
-    "GPU path check": "../how-to/gpus.md",
-    "Faults": "../how-to/faults.md",
-}
-
-
 def _escape(text: str) -> str:
+    """Markdown-safe text; a pointer to a documentation page, ``(docs/<page>.md#anchor)`` in a
+    comment of conf/, becomes a link to that page."""
     text = text.replace("<", "&lt;").replace(">", "&gt;")
-    return re.sub(r'README, "([^"]+)"',
-                  lambda m: f"[{m[1]}]({README_SECTIONS[m[1]]})" if m[1] in README_SECTIONS else m[0],
-                  text)
+    return re.sub(r"\(docs/([\w/.-]+\.md)(#[\w-]+)?\)", lambda m: f"([{m[1]}](../{m[1]}{m[2] or ''}))", text)
 
 
 def _cell(text: str) -> str:
