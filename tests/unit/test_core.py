@@ -128,3 +128,20 @@ def test_a_checkpointed_core_resumes_version_updates_and_epoch():
     assert (resumed.version, resumed.updates, resumed.epoch, resumed.samples) == (core.version, 3, 1, 15)
     assert resumed.push(0, resumed.version, 0.0, contribution=g(1.0, 1.0)).update.index == 4
     assert math.isnan(ServerCore(Variant.create("async", 2)).stats()["mean_update_interval_s"])
+
+
+def test_staleness_weights_go_with_their_own_gradients_when_summed_in_learner_order():
+    """Update 3 of K-async (P=3, K=2) gets learner 2's gradient of staleness 2 (weight 1/2) first,
+    then learner 0's fresh one (weight 1): summed in learner order, each keeps its own weight."""
+    core = ServerCore(Variant.create("k_async", 3, 2), make_state(lr=1.0),
+                      compensation=StalenessCompensation("inverse"))
+    for version in (0, 1):  # learners 0 and 1 make updates 1 and 2; learner 2 is slow
+        core.push(0, version, 0.0, contribution=g(0.0, 0.0))
+        core.push(1, version, 0.0, contribution=g(0.0, 0.0))
+    core.push(2, 0, 1.0, contribution=g(0.0, 4.0))  # arrives first, staleness 2
+    outcome = core.push(0, 2, 2.0, contribution=g(2.0, 0.0))  # arrives second, fresh
+    assert [p.learner for p in outcome.update.gradients] == [2, 0] and outcome.update.staleness == (2, 0)
+    assert outcome.weights == (1.0, 0.5)  # in learner order, as the contributions
+    assert [c.gradient.tolist() for c in outcome.contributions] == [[2.0, 0.0], [0.0, 4.0]]
+    # w_3 = w_2 - (lr / K) (1 * g_0 + 1/2 * g_2) = -(1/2) (2, 2)
+    assert core.state.params[0].tolist() == [[-1.0, -1.0]]

@@ -222,3 +222,62 @@ def test_virtual_cluster_batch_variant_lets_one_learner_push_twice():
             learners = [g.learner for g in d.update.gradients]
             repeated += len(learners) != len(set(learners))
     assert repeated > 0
+
+
+# ---------------------------------------------------------------- resume, overflow, deaths
+def test_after_a_resume_staleness_counts_the_updates_since_the_resumed_version():
+    """A run resumed at update 10 (version 10): a gradient computed at version 10 is fresh, not
+    10 updates stale; staleness compensation weighs it by what happened since."""
+    r = rules("k_batch_async", p=2, k=1)
+    r.resume_at(version=10, updates=10)
+    assert r.staleness_of(10) == 0
+    first = r.on_push(0, 10)
+    assert first.update.staleness == (0,) and first.update.index == 11
+    second = r.on_push(1, 10)  # computed before the first update after the resume
+    assert second.update.staleness == (1,) and r.counts.staleness == {0: 1, 1: 1}
+
+
+@pytest.mark.parametrize("name", ["k_sync", "k_batch_sync"])
+def test_a_sync_push_both_stale_and_unusable_is_answered_once_by_the_refresh(name):
+    """Learner 2 was interrupted by update 1 and told to restart (a refresh); its overflowed
+    push at version 0 crossed that refresh: it must not also be told to go on with what it holds."""
+    r = rules(name, p=3, k=2)
+    r.on_push(0, 0)
+    update = r.on_push(1, 0)
+    assert update.update is not None and 2 in update.refresh and 2 in update.cancel
+    late = r.on_push(2, 0, unusable="overflow")
+    assert (late.dropped, late.resume, late.refresh, late.update) == ("overflow", (), (), None)
+    assert r.counts.dropped == {"overflow": 1} and r.accounting_ok()
+
+
+@pytest.mark.parametrize("name", ["k_async", "k_batch_async"])
+def test_an_async_push_stale_and_unusable_goes_on_with_what_it_holds(name):
+    r = rules(name, p=3, k=2)
+    r.on_push(0, 0)
+    r.on_push(1, 0)  # update 1; learner 2 keeps computing at version 0
+    late = r.on_push(2, 0, unusable="overflow")
+    assert (late.dropped, late.resume, late.refresh) == ("overflow", (2,), ())
+
+
+def test_adaptive_k_is_never_set_above_the_learners_alive():
+    """After deaths under on_learner_failure="continue", AdaSync asking for a larger K gets the
+    learners left: an update waiting for more gradients than learners would never come."""
+    r = rules("k_async", p=4, k=2)
+    r.remove_learner(0)
+    r.remove_learner(1)
+    r.set_k(4)
+    assert r.k == 2 and r.variant.k == 4  # the variant keeps what was asked, validated against P
+    r.on_push(2, 0)
+    assert r.on_push(3, 0).update is not None  # the two alive learners make an update
+    r.remove_learner(2)
+    r.set_k(3)
+    assert r.k == 1 and r.on_push(3, 1).update is not None
+
+
+@pytest.mark.parametrize("p,expected", [(3, 2), (5, 3), (7, 4), (1, 1), (2, 1), (4, 2)])
+@pytest.mark.parametrize("name", ["k_sync", "k_batch_sync", "k_async", "k_batch_async"])
+def test_the_default_k_of_a_k_variant_is_half_of_p_rounded_up(name, p, expected):
+    from lightning_stale.method.variants import default_k
+
+    assert default_k(name, p) == expected == Variant.create(name, p).k
+    assert default_k("sync", p) == p and default_k("async", p) == 1
