@@ -281,3 +281,23 @@ def test_the_default_k_of_a_k_variant_is_half_of_p_rounded_up(name, p, expected)
 
     assert default_k(name, p) == expected == Variant.create(name, p).k
     assert default_k("sync", p) == p and default_k("async", p) == 1
+
+
+def test_the_counters_of_a_run_with_a_drop_a_death_and_a_push_after_the_stop():
+    r = rules("k_async", p=3, k=2)
+    r.on_push(0, 0)
+    assert r.on_push(1, 0).update.staleness == (0, 0)
+    assert r.on_push(2, 0, unusable="overflow").resume == (2,)
+    assert r.on_push(2, 0).accepted and r.is_waiting(2)
+    assert r.remove_learner(1).update is None and r.alive == (0, 2) and r.k == 2
+    second = r.on_push(0, 1)
+    assert second.update.staleness == (1, 0) and second.refresh == (0, 2)
+    assert r.versions_in_use() == {2} and r.learner_version(2) == 2
+    r.stop()
+    assert r.on_push(2, 2).dropped == "in_flight_at_stop"
+    assert r.stats() == {
+        "updates": 2, "gradients_received": 6, "gradients_applied": 4, "gradients_dropped": 1,
+        "gradients_dropped_by_reason": {"overflow": 1}, "gradients_pending": 0,
+        "gradients_in_flight_at_stop": 1, "cancellations": 0, "staleness_histogram": {0: 3, 1: 1},
+        "pushes_per_learner": [2, 1, 3], "dead_learners": [1], "k": 2, "p": 3, "variant": "k_async"}
+    assert r.accounting_ok()

@@ -1,0 +1,150 @@
+"""Mutation testing of the method's core: mutmut over lightning_stale/method/,
+engine/core.py and engine/state.py, against the fast unit tests that concern them.
+
+One command, from the checkout's root (mutmut and its settings: pyproject.toml's
+``[tool.mutmut]``; install with ``pip install -e '.[mutation]'``):
+
+    nice -n 10 python benchmarks/mutation.py
+
+It runs ``mutmut run --max-children 1`` (one worker: CPU is shared; mutmut keeps its work in
+./mutants/, so a second run only retests what changed) over the mutants of ``--scope`` (mutmut
+name patterns; default: rules.py and core.py, the decisions and the update, about 580 mutants,
+an hour of one busy core; ``--scope all`` takes every file of ``[tool.mutmut]``, about 2,050),
+then writes
+benchmarks/results/latest/mutation-cpu.json: every mutant's verdict counted, the surviving
+mutants that are equivalent (no behaviour change observable through any API; listed below with
+the reason) and the fraction of the others that the tests kill (timeouts count as killed, as
+in mutmut's own score). ``--report-only`` rewrites the file from ./mutants/ without running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results" / "latest" / "mutation-cpu.json"
+COMMAND = "nice -n 10 python benchmarks/mutation.py"
+SCOPE = ["lightning_stale.method.rules.*", "lightning_stale.engine.core.*"]
+
+# Surviving mutants that change nothing observable through any API, by mutmut's name, with why.
+EQUIVALENT: dict[str, str] = {
+}
+
+
+def mutmut(*args: str, check: bool = True) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    exe = Path(sys.executable).with_name("mutmut")
+    done = subprocess.run([str(exe), *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise SystemExit(f"mutmut {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def verdicts(scope: list[str]) -> dict[str, str]:
+    """mutant name -> mutmut's status, for every mutant in ``scope`` (all: every one)."""
+    import fnmatch
+
+    statuses = {}
+    for line in mutmut("results", "--all", "true").splitlines():
+        match = re.match(r"\s+(\S+): (.+)$", line)
+        if match and (not scope or any(fnmatch.fnmatch(match.group(1), p) for p in scope)):
+            statuses[match.group(1)] = match.group(2).strip()
+    return statuses
+
+
+def where(name: str) -> tuple[str, int, str]:
+    """(file, line, the changed line) of a mutant, from its diff."""
+    diff = mutmut("show", name)
+    file = re.search(r"^\+\+\+ (?:b/)?(\S+)", diff, re.M)
+    hunk = re.search(r"^@@ -(\d+)", diff, re.M)
+    removed = [line[1:] for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")]
+    added = [line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    line = int(hunk.group(1)) if hunk else 0
+    if hunk:  # the first changed line within the hunk
+        body = diff[hunk.end():].splitlines()[1:]
+        for offset, text in enumerate(l for l in body if not l.startswith("+")):
+            if text.startswith("-"):
+                line += offset
+                break
+    change = f"{' / '.join(s.strip() for s in removed)} -> {' / '.join(s.strip() for s in added)}"
+    return (file.group(1) if file else "?"), line, change
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"python": platform.python_version(),
+            **{name: version(name) for name in ("mutmut", "torch", "pytorch-lightning", "pytest")}}
+
+
+def commit() -> str | None:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report-only", action="store_true", help="write the result from ./mutants/ without running")
+    parser.add_argument("--scope", nargs="+", default=SCOPE,
+                        help="mutmut name patterns of the mutants run, or 'all' (default: %(default)s)")
+    args = parser.parse_args()
+    scope = [] if args.scope == ["all"] else args.scope
+    if not args.report_only:
+        mutmut("run", "--max-children", "1", *scope, check=False)  # (its exit status says nothing about survivors)
+    statuses = verdicts(scope)
+    counts: dict[str, int] = {}
+    for status in statuses.values():
+        counts[status] = counts.get(status, 0) + 1
+    equivalent, survivors = [], []
+    for name, status in sorted(statuses.items()):
+        if status in ("killed", "timeout"):
+            continue
+        file, line, change = where(name)
+        if name in EQUIVALENT and status == "survived":
+            equivalent.append({"file": file, "line": line, "mutant": name, "change": change,
+                               "reason": EQUIVALENT[name]})
+        else:
+            survivors.append({"file": file, "line": line, "mutant": name, "status": status, "change": change})
+    total = len(statuses)
+    detected = counts.get("killed", 0) + counts.get("timeout", 0)
+    non_equivalent = total - len(equivalent)
+    result = {
+        "benchmark": "mutation",
+        "command": COMMAND,
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kind": "cpu",
+        "cores": os.cpu_count(),
+        "versions": versions(),
+        "scope": scope or "all",
+        "figures": {
+            "mutants": total,
+            "killed": counts.get("killed", 0),
+            "survived": len(survivors),
+            "timeout": counts.get("timeout", 0),
+            "by_status": counts,
+            "equivalent": equivalent,
+            "surviving": survivors,
+            "killed_fraction_of_non_equivalent": detected / non_equivalent if non_equivalent else None,
+        },
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    figures = result["figures"]
+    print(f"{total} mutants: {figures['killed']} killed, {figures['timeout']} timeouts, "
+          f"{len(equivalent)} equivalent, {len(survivors)} not killed; "
+          f"killed {figures['killed_fraction_of_non_equivalent']:.1%} of the non-equivalent -> {OUT}")
+    for s in survivors:
+        print(f"  {s['status']}: {s['file']}:{s['line']} {s['mutant']}: {s['change']}")
+
+
+if __name__ == "__main__":
+    main()
