@@ -105,7 +105,7 @@ def main() -> None:
         counts[status] = counts.get(status, 0) + 1
     equivalent, survivors = [], []
     for name, status in sorted(statuses.items()):
-        if status in ("killed", "timeout"):
+        if status in ("killed", "timeout", "not checked"):
             continue
         file, line, change = where(name)
         if name in EQUIVALENT and status == "survived":
@@ -113,7 +113,7 @@ def main() -> None:
                                "reason": EQUIVALENT[name]})
         else:
             survivors.append({"file": file, "line": line, "mutant": name, "status": status, "change": change})
-    total = len(statuses)
+    total = len(statuses) - counts.get("not checked", 0)  # (a run cut short leaves some unchecked)
     detected = counts.get("killed", 0) + counts.get("timeout", 0)
     non_equivalent = total - len(equivalent)
     result = {
@@ -130,6 +130,7 @@ def main() -> None:
             "killed": counts.get("killed", 0),
             "survived": len(survivors),
             "timeout": counts.get("timeout", 0),
+            "not_checked": counts.get("not checked", 0),
             "by_status": counts,
             "equivalent": equivalent,
             "surviving": survivors,

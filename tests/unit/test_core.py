@@ -145,3 +145,71 @@ def test_staleness_weights_go_with_their_own_gradients_when_summed_in_learner_or
     assert [c.gradient.tolist() for c in outcome.contributions] == [[2.0, 0.0], [0.0, 4.0]]
     # w_3 = w_2 - (lr / K) (1 * g_0 + 1/2 * g_2) = -(1/2) (2, 2)
     assert core.state.params[0].tolist() == [[-1.0, -1.0]]
+
+
+def test_the_core_holds_accepted_gradients_until_their_update():
+    core = ServerCore(Variant.create("k_async", 3, 2), make_state())
+    first, second = g(1.0, 0.0), g(0.0, 1.0)
+    core.push(0, 0, 0.0, contribution=first)
+    assert core.holds(first) and not core.holds(second)
+    core.push(1, 0, 0.0, contribution=second)
+    assert not core.holds(first) and not core.holds(second)
+
+
+def test_which_pushes_fit_in_the_epoch():
+    core = ServerCore(Variant.create("async", 2), make_state(), ServerLimits(pushes_per_epoch=4))
+    assert not core.pushes_fit_in_epoch(1)  # nothing pushed in this epoch yet: not known
+    core.push(0, 0, 0.0, contribution=g(0.0, 0.0))
+    assert core.pushes_fit_in_epoch(3) and not core.pushes_fit_in_epoch(4)
+    core.stop()
+    assert not core.pushes_fit_in_epoch(1)
+    unbounded = ServerCore(Variant.create("async", 2), make_state())  # the engine ends epochs
+    unbounded.push(0, 0, 0.0, contribution=g(0.0, 0.0))
+    assert not unbounded.pushes_fit_in_epoch(1)
+
+
+def test_a_death_that_lowers_k_to_the_pending_gradients_applies_them_now():
+    core = ServerCore(Variant.create("k_async", 3, 3), make_state(lr=1.0), ServerLimits(max_updates=1))
+    core.push(0, 0, 1.0, contribution=g(2.0, 0.0), loss=1.0, samples=4)
+    core.push(1, 0, 2.0, contribution=g(0.0, 4.0), loss=3.0, samples=4)
+    quiet = core.remove_learner(2, 3.0)
+    assert quiet.update is not None and quiet.decision.refresh == (0, 1)
+    assert [c.gradient.tolist() for c in quiet.contributions] == [[2.0, 0.0], [0.0, 4.0]]
+    assert core.state.params[0].tolist() == [[-1.0, -2.0]]  # the mean of the two
+    (record,) = core.pop_records()
+    assert (record.update, record.clock, record.loss, record.k, record.learners) == (1, 3.0, 2.0, 2, (0, 1))
+    assert quiet.stopped and core.stopped  # max_updates reached by the death's update
+    nothing = ServerCore(Variant.create("k_async", 3, 2), make_state()).remove_learner(1, 0.0)
+    assert nothing.update is None and not nothing.stopped and nothing.record is None
+
+
+def scheduled_state():
+    """SGD at lr 1 halved after every update (a per-step StepLR, as Lightning configures it)."""
+    from pytorch_lightning.utilities.types import LRSchedulerConfig
+
+    module = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(module.weight)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return ServerState(module, optimizer, [LRSchedulerConfig(scheduler, interval="step")]), scheduler
+
+
+def test_a_checkpoint_carries_the_schedulers_and_a_stateless_core_has_none():
+    state, scheduler = scheduled_state()
+    core = ServerCore(Variant.create("async", 2), state)
+    core.push(0, 0, 0.0, contribution=g(1.0, 1.0))
+    core.push(1, 0, 1.0, contribution=g(1.0, 1.0))
+    saved = core.state_dict()
+    assert saved["schedulers"] == [scheduler.state_dict()] and saved["schedulers"][0]["last_epoch"] == 2
+    fresh, fresh_scheduler = scheduled_state()
+    resumed = ServerCore(Variant.create("async", 2), fresh)
+    resumed.load_state_dict(saved)
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()  # (the lr is the optimizer state's)
+    assert ServerCore(Variant.create("async", 2)).state_dict()["schedulers"] == []
+
+
+def test_a_short_pause_is_taken_off_whole():
+    core = ServerCore(Variant.create("async", 2), make_state(), clock=0.0)
+    core.pause(2.0)
+    core.resume(2.25)
+    assert core.running_time(3.0) == pytest.approx(2.75)

@@ -235,6 +235,8 @@ def test_after_a_resume_staleness_counts_the_updates_since_the_resumed_version()
     assert first.update.staleness == (0,) and first.update.index == 11
     second = r.on_push(1, 10)  # computed before the first update after the resume
     assert second.update.staleness == (1,) and r.counts.staleness == {0: 1, 1: 1}
+    third = r.on_push(0, 11)  # computed at the first version made after the resume
+    assert third.update.staleness == (1,) and r.staleness_of(13) == 0
 
 
 @pytest.mark.parametrize("name", ["k_sync", "k_batch_sync"])
@@ -301,3 +303,16 @@ def test_the_counters_of_a_run_with_a_drop_a_death_and_a_push_after_the_stop():
         "gradients_in_flight_at_stop": 1, "cancellations": 0, "staleness_histogram": {0: 3, 1: 1},
         "pushes_per_learner": [2, 1, 3], "dead_learners": [1], "k": 2, "p": 3, "variant": "k_async"}
     assert r.accounting_ok()
+
+
+def test_removing_a_learner_answers_with_the_current_version_and_it_waits_no_more():
+    r = rules("k_async", p=3, k=2)
+    r.on_push(0, 0)
+    r.on_push(1, 0)  # update 1
+    r.on_push(2, 0)  # learner 2 waits for update 2
+    assert r.is_waiting(2)
+    removed = r.remove_learner(2)
+    assert (removed.push, removed.update, removed.version) == (None, None, 1) and not r.is_waiting(2)
+    again = r.remove_learner(2)  # a death heard twice changes nothing
+    assert (again.push, again.update, again.version) == (None, None, 1)
+    assert r.counts.dead_learners == [2] and r.alive == (0, 1)
