@@ -36,6 +36,11 @@ SCOPE = ["lightning_stale.method.rules.*", "lightning_stale.engine.core.*"]
 
 # Surviving mutants that change nothing observable through any API, by mutmut's name, with why.
 EQUIVALENT: dict[str, str] = {
+    "lightning_stale.method.rules.xǁServerRulesǁremove_learner__mutmut_13":
+        "`if self.k >= left: self.k = left`: where k == left the assignment changes nothing",
+    "lightning_stale.engine.core.xǁServerCoreǁ_snapshot_current__mutmut_2":
+        "`state.snapshot(None)`: the version only keys ServerState's one-entry cache; the vector "
+        "is the current parameters either way, and a later snapshot of the version recomputes it",
 }
 
 

@@ -213,3 +213,30 @@ def test_a_short_pause_is_taken_off_whole():
     core.pause(2.0)
     core.resume(2.25)
     assert core.running_time(3.0) == pytest.approx(2.75)
+
+
+@pytest.mark.parametrize("limits", [ServerLimits(max_epochs=0, pushes_per_epoch=1),
+                                    ServerLimits(max_updates=0, pushes_per_epoch=1),
+                                    ServerLimits(max_updates=1, pushes_per_epoch=1)])
+def test_an_epochs_end_stops_training_at_the_limits_including_zero(limits):
+    core = ServerCore(Variant.create("async", 2), make_state(), limits)
+    outcome = core.push(0, 0, 0.0, contribution=g(1.0, 1.0))
+    assert outcome.epoch_ended and outcome.stopped and core.stats()["epochs"] == 1
+
+
+def test_an_epochs_end_below_the_limits_goes_on_and_counts_the_epoch():
+    core = ServerCore(Variant.create("async", 2), make_state(),
+                      ServerLimits(max_epochs=3, max_updates=5, pushes_per_epoch=2))
+    core.push(0, 0, 0.0, contribution=g(1.0, 1.0))
+    outcome = core.push(1, 0, 1.0, contribution=g(1.0, 1.0))
+    assert outcome.epoch_ended and not outcome.stopped and core.stats()["epochs"] == 1
+
+
+def test_the_snapshots_kept_are_the_parameters_of_their_versions():
+    core = ServerCore(Variant.create("async", 2), make_state(lr=1.0), keep_snapshots=True)
+    core.push(0, 0, 0.0, contribution=g(1.0, 2.0))  # learner 0 now holds version 1
+    assert core.parameters_at(1).tolist() == [-1.0, -2.0] and core.parameters_at(0).tolist() == [0.0, 0.0]
+    core.push(0, 1, 1.0, contribution=g(1.0, 0.0))  # version 2; learner 1 still holds version 0
+    assert core.parameters_at(2).tolist() == [-2.0, -2.0] and core.parameters_at(0).tolist() == [0.0, 0.0]
+    with pytest.raises(KeyError):
+        core.parameters_at(1)  # no learner holds it and no gradient was computed at it
