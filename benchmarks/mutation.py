@@ -41,6 +41,12 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.engine.core.xǁServerCoreǁ_snapshot_current__mutmut_2":
         "`state.snapshot(None)`: the version only keys ServerState's one-entry cache; the vector "
         "is the current parameters either way, and a later snapshot of the version recomputes it",
+    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_34":
+        "`state.snapshot(None)` at start: as _snapshot_current__mutmut_2 (a cache key only)",
+    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_31":
+        "_last_update_s starts as None: it is read (stats) only once an update has set it",
+    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_32":
+        "_last_update_s starts as 1.0: it is read (stats) only once an update has set it",
 }
 
 

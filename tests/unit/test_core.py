@@ -240,3 +240,14 @@ def test_the_snapshots_kept_are_the_parameters_of_their_versions():
     assert core.parameters_at(2).tolist() == [-2.0, -2.0] and core.parameters_at(0).tolist() == [0.0, 0.0]
     with pytest.raises(KeyError):
         core.parameters_at(1)  # no learner holds it and no gradient was computed at it
+
+
+def test_an_unusable_push_is_dropped_and_a_late_one_keeps_its_version():
+    core = ServerCore(Variant.create("k_async", 2, 2), make_state(), ServerLimits(max_updates=1))
+    dropped = core.push(0, 0, 0.0, unusable="overflow")
+    assert dropped.decision.dropped == "overflow" and dropped.decision.resume == (0,) and dropped.update is None
+    core.push(0, 0, 1.0, contribution=g(1.0, 1.0))  # (no samples given: none counted)
+    assert core.push(1, 0, 2.0, contribution=g(1.0, 1.0)).stopped and core.samples == 0
+    late = core.push(0, 1, 3.0, contribution=g(1.0, 1.0))
+    assert late.decision.dropped == "in_flight_at_stop" and late.decision.push.version == 1
+    assert core.stats()["gradients_dropped_by_reason"] == {"overflow": 1} and core.stats()["samples"] == 0
