@@ -251,3 +251,12 @@ def test_an_unusable_push_is_dropped_and_a_late_one_keeps_its_version():
     late = core.push(0, 1, 3.0, contribution=g(1.0, 1.0))
     assert late.decision.dropped == "in_flight_at_stop" and late.decision.push.version == 1
     assert core.stats()["gradients_dropped_by_reason"] == {"overflow": 1} and core.stats()["samples"] == 0
+
+
+def test_without_epochs_the_core_ends_none_and_max_updates_zero_stops_at_once():
+    core = ServerCore(Variant.create("async", 2), make_state())
+    assert not any(core.push(i % 2, core.rules.learner_version(i % 2), float(i), contribution=g(1.0, 1.0)).epoch_ended
+                   for i in range(3))
+    assert core.stats()["epochs"] == 0 and not core.stopped
+    at_once = ServerCore(Variant.create("async", 2), make_state(), ServerLimits(max_updates=0))
+    assert at_once.push(0, 0, 0.0, contribution=g(1.0, 1.0)).stopped
