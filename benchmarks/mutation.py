@@ -47,6 +47,10 @@ EQUIVALENT: dict[str, str] = {
         "_last_update_s starts as None: it is read (stats) only once an update has set it",
     "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_32":
         "_last_update_s starts as 1.0: it is read (stats) only once an update has set it",
+    **{f"lightning_stale.engine.core.xǁServerCoreǁ_apply__mutmut_{n}":
+       "the current parameters taken as `state.snapshot(<another version>)`: the version only "
+       "keys ServerState's cache, emptied at every step, so the vector is the current one"
+       for n in (17, 18, 19)},
 }
 
 

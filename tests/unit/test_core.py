@@ -260,3 +260,23 @@ def test_without_epochs_the_core_ends_none_and_max_updates_zero_stops_at_once():
     assert core.stats()["epochs"] == 0 and not core.stopped
     at_once = ServerCore(Variant.create("async", 2), make_state(), ServerLimits(max_updates=0))
     assert at_once.push(0, 0, 0.0, contribution=g(1.0, 1.0)).stopped
+
+
+def test_without_state_the_weights_come_from_staleness_alone():
+    core = ServerCore(Variant.create("async", 2), compensation=StalenessCompensation("inverse"))
+    core.push(0, 0, 0.0)
+    core.push(0, 1, 1.0)
+    outcome = core.push(1, 0, 2.0)  # computed at version 0, two updates ago
+    assert outcome.update.staleness == (2,) and outcome.weights == (0.5,)
+
+
+def test_the_norm_compensation_measures_the_parameters_without_the_buffers():
+    module = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(module.weight)
+    module.register_buffer("running", torch.zeros(1))
+    core = ServerCore(Variant.create("async", 2), ServerState(module, torch.optim.SGD(module.parameters(), lr=1.0)),
+                      compensation=StalenessCompensation("norm", c=0.5))
+    core.push(0, 0, 1.0, contribution=Contribution(torch.tensor([1.0, 0.0]), torch.tensor([10.0])))
+    core.push(1, 0, 2.0, contribution=Contribution(torch.tensor([0.0, 2.0]), torch.tensor([10.0])))
+    # ||w_1 - w_0||^2 = 1 over the parameters (the buffer's 10 left out): weight 0.5
+    assert core.state.params[0].tolist() == [[-1.0, -1.0]] and core.state.buffers[0].tolist() == [10.0]
