@@ -145,6 +145,9 @@ def test_staleness_weights_go_with_their_own_gradients_when_summed_in_learner_or
     assert [c.gradient.tolist() for c in outcome.contributions] == [[2.0, 0.0], [0.0, 4.0]]
     # w_3 = w_2 - (lr / K) (1 * g_0 + 1/2 * g_2) = -(1/2) (2, 2)
     assert core.state.params[0].tolist() == [[-1.0, -1.0]]
+    record = core.pop_records()[-1]
+    assert (record.staleness_mean, record.staleness_max, record.num_gradients, record.k, record.learners) == \
+        (1.0, 2, 2, 2, (2, 0))
 
 
 def test_the_core_holds_accepted_gradients_until_their_update():
