@@ -51,6 +51,15 @@ EQUIVALENT: dict[str, str] = {
        "the current parameters taken as `state.snapshot(<another version>)`: the version only "
        "keys ServerState's cache, emptied at every step, so the vector is the current one"
        for n in (17, 18, 19)},
+    "lightning_stale.method.rules.xǁServerRulesǁstop__mutmut_2":
+        "`in_flight_at_stop = len(pending)`: stop() acts once, before any push counts in flight, "
+        "so the counter is 0 there and = equals +=",
+    "lightning_stale.engine.core.xǁServerCoreǁpushes_fit_in_epoch__mutmut_6":
+        "`per_epoch >= 0`: with per_epoch 0, `0 < done` and `done + pushes <= 0` never both hold "
+        "for a count of pushes >= 0",
+    "lightning_stale.engine.core.xǁServerCoreǁpushes_fit_in_epoch__mutmut_7":
+        "`per_epoch > 1`: with one push per epoch every push ends its epoch, so `done` is 0 and "
+        "the answer False either way",
 }
 
 

@@ -283,3 +283,47 @@ def test_the_norm_compensation_measures_the_parameters_without_the_buffers():
     core.push(1, 0, 2.0, contribution=Contribution(torch.tensor([0.0, 2.0]), torch.tensor([10.0])))
     # ||w_1 - w_0||^2 = 1 over the parameters (the buffer's 10 left out): weight 0.5
     assert core.state.params[0].tolist() == [[-1.0, -1.0]] and core.state.buffers[0].tolist() == [10.0]
+
+
+def test_every_pause_is_taken_off_and_a_resume_without_a_pause_takes_nothing():
+    core = ServerCore(Variant.create("async", 2), make_state(), clock=0.0)
+    core.pause(1.0)
+    core.resume(2.0)
+    core.pause(3.0)
+    core.resume(5.0)
+    core.resume(5.5)  # not paused: nothing to take off
+    assert core.running_time(6.0) == pytest.approx(3.0)
+
+
+def test_max_updates_zero_stops_at_a_death_before_any_push():
+    core = ServerCore(Variant.create("k_async", 3, 2), make_state(), ServerLimits(max_updates=0))
+    assert core.remove_learner(2, 0.0).stopped and core.stopped
+
+
+def test_an_older_checkpoint_without_samples_or_schedulers_loads():
+    state, scheduler = scheduled_state()
+    core = ServerCore(Variant.create("async", 2), state)
+    core.load_state_dict({"version": 2, "updates": 2, "epoch": 1})
+    assert (core.version, core.updates, core.epoch, core.samples) == (2, 2, 1, 0)
+    assert scheduler.last_epoch == 0  # left as it was
+
+
+def test_a_new_epoch_steps_the_epoch_schedulers_with_the_metrics_and_resumes_the_clock():
+    from pytorch_lightning.utilities.types import LRSchedulerConfig
+
+    module = nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+    config = LRSchedulerConfig(plateau, interval="epoch", monitor="val/loss", reduce_on_plateau=True)
+    core = ServerCore(Variant.create("async", 2), ServerState(module, optimizer, [config]),
+                      ServerLimits(pushes_per_epoch=1), clock=0.0)
+    core.push(0, 0, 1.0, contribution=g(0.0, 0.0))  # epoch 0 ends
+    core.pause(1.0)
+    core.begin_epoch(3.0, {"val/loss": 2.0})
+    core.push(1, 0, 4.0, contribution=g(0.0, 0.0))  # epoch 1 ends
+    core.begin_epoch(4.0, {"val/loss": 2.0})  # no better: the plateau halves the lr
+    assert core.state.optimizer.param_groups[0]["lr"] == 0.5
+    assert core.running_time(5.0) == pytest.approx(3.0)  # 2 s of pause taken off
+    core.report_metrics({"train/loss": 1.5})
+    assert core.state.schedules.metrics == {"train/loss": 1.5}
+    ServerCore(Variant.create("async", 2)).report_metrics({"train/loss": 1.0})  # no state: nothing to do

@@ -316,3 +316,11 @@ def test_removing_a_learner_answers_with_the_current_version_and_it_waits_no_mor
     again = r.remove_learner(2)  # a death heard twice changes nothing
     assert (again.push, again.update, again.version) == (None, None, 1)
     assert r.counts.dead_learners == [2] and r.alive == (0, 1)
+
+
+def test_a_dropped_push_is_named_in_its_decision_with_the_current_version():
+    r = rules("k_sync", p=3, k=2)
+    r.on_push(0, 0)
+    r.on_push(1, 0)  # update 1
+    stale = r.on_push(2, 0)
+    assert (stale.dropped, stale.push.learner, stale.push.version, stale.version) == ("stale", 2, 0, 1)
