@@ -327,3 +327,17 @@ def test_a_new_epoch_steps_the_epoch_schedulers_with_the_metrics_and_resumes_the
     core.report_metrics({"train/loss": 1.5})
     assert core.state.schedules.metrics == {"train/loss": 1.5}
     ServerCore(Variant.create("async", 2)).report_metrics({"train/loss": 1.0})  # no state: nothing to do
+
+
+def test_schedulers_due_every_second_update_step_at_the_second():
+    from pytorch_lightning.utilities.types import LRSchedulerConfig
+
+    module = nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    core = ServerCore(Variant.create("async", 2),
+                      ServerState(module, optimizer, [LRSchedulerConfig(scheduler, interval="step", frequency=2)]))
+    core.push(0, 0, 0.0, contribution=g(0.0, 0.0))
+    assert scheduler.last_epoch == 0
+    core.push(1, 0, 1.0, contribution=g(0.0, 0.0))
+    assert scheduler.last_epoch == 1 and core.state.optimizer.param_groups[0]["lr"] == 0.5

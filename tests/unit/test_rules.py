@@ -324,3 +324,38 @@ def test_a_dropped_push_is_named_in_its_decision_with_the_current_version():
     r.on_push(1, 0)  # update 1
     stale = r.on_push(2, 0)
     assert (stale.dropped, stale.push.learner, stale.push.version, stale.version) == ("stale", 2, 0, 1)
+
+
+def test_every_decision_names_its_push_and_the_version_after_it():
+    r = rules("k_async", p=2, k=2)
+    assert r.stopped is False
+    with pytest.raises(ProtocolError, match="learner 2 does not exist"):
+        r.on_push(2, 0)
+    waiting = r.on_push(0, 0)
+    assert (waiting.push.learner, waiting.accepted, waiting.version) == (0, True, 0)
+    update = r.on_push(1, 0)
+    assert update.version == 1 == update.update.version
+    overflow = r.on_push(0, 1, unusable="overflow")
+    assert (overflow.push.learner, overflow.push.version, overflow.version) == (0, 1, 1)
+    r.stop()
+    late = r.on_push(1, 1)
+    assert (late.push.learner, late.dropped, late.version) == (1, "in_flight_at_stop", 1)
+    batch = rules("k_batch_async", p=2, k=2)
+    goes_on = batch.on_push(0, 0)
+    assert (goes_on.push.learner, goes_on.accepted, goes_on.version, goes_on.resume) == (0, True, 0, (0,))
+
+
+def test_cancellations_add_up_over_updates():
+    r = rules("k_sync", p=3, k=2)
+    for version in (0, 1):
+        r.on_push(0, version)
+        assert r.on_push(1, version).cancel == (2,)
+    assert r.counts.cancellations == 2 and r.stats()["cancellations"] == 2
+
+
+def test_a_k_batch_async_update_completed_by_a_death_refreshes_nobody():
+    r = rules("k_batch_async", p=3, k=3)
+    r.on_push(0, 0)
+    r.on_push(1, 0)
+    completed = r.remove_learner(2)
+    assert completed.update is not None and completed.refresh == () and completed.version == 1
