@@ -88,16 +88,12 @@ def where(name: str) -> tuple[str, int, str]:
     """(file, line, the changed line) of a mutant, from its diff."""
     diff = mutmut("show", name)
     file = re.search(r"^\+\+\+ (?:b/)?(\S+)", diff, re.M)
-    hunk = re.search(r"^@@ -(\d+)", diff, re.M)
     removed = [line[1:] for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")]
     added = [line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
-    line = int(hunk.group(1)) if hunk else 0
-    if hunk:  # the first changed line within the hunk
-        body = diff[hunk.end():].splitlines()[1:]
-        for offset, text in enumerate(l for l in body if not l.startswith("+")):
-            if text.startswith("-"):
-                line += offset
-                break
+    line = 0  # (the diff numbers the function's lines: the changed line is found in the file)
+    if file and removed:
+        source = (ROOT / file.group(1)).read_text().splitlines()
+        line = next((i + 1 for i, text in enumerate(source) if text.strip() == removed[0].strip()), 0)
     change = f"{' / '.join(s.strip() for s in removed)} -> {' / '.join(s.strip() for s in added)}"
     return (file.group(1) if file else "?"), line, change
 

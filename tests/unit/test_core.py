@@ -341,3 +341,36 @@ def test_schedulers_due_every_second_update_step_at_the_second():
     assert scheduler.last_epoch == 0
     core.push(1, 0, 1.0, contribution=g(0.0, 0.0))
     assert scheduler.last_epoch == 1 and core.state.optimizer.param_groups[0]["lr"] == 0.5
+
+
+def test_epoch_schedulers_step_after_the_epochs_they_are_due_and_not_at_the_start():
+    from pytorch_lightning.utilities.types import LRSchedulerConfig
+
+    module = nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    config = LRSchedulerConfig(scheduler, interval="epoch", frequency=3)
+    core = ServerCore(Variant.create("async", 2), ServerState(module, optimizer, [config]),
+                      ServerLimits(pushes_per_epoch=1))
+    core.begin_epoch(0.0)  # the start: no epoch has ended
+    stepped = []
+    for i in range(4):
+        core.push(i % 2, core.rules.learner_version(i % 2), float(i), contribution=g(0.0, 0.0))
+        core.begin_epoch(float(i))
+        stepped.append(scheduler.last_epoch)
+    assert stepped == [0, 0, 1, 1]  # after epochs 0, 1, 2 (due every third), 3
+    stateless = ServerCore(Variant.create("async", 2), limits=ServerLimits(pushes_per_epoch=1))
+    stateless.push(0, 0, 0.0)
+    stateless.begin_epoch(1.0)  # nothing to step, and no error
+    assert stateless.epoch == 1
+
+
+def test_a_decision_carries_the_servers_version_after_an_update():
+    r = ServerCore(Variant.create("k_async", 3, 2)).rules
+    r.on_push(0, 0)
+    r.on_push(1, 0)  # version 1
+    assert r.on_push(0, 1).version == 1  # accepted, waits
+    batch = ServerCore(Variant.create("k_batch_async", 2, 2)).rules
+    batch.on_push(0, 0)
+    batch.on_push(1, 0)  # version 1; learner 1 got it
+    assert batch.on_push(1, 1).version == 1  # accepted, goes on
