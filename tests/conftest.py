@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+import isolation
 from datafiles import make_cifar, make_mnist, write_trace
 
 
@@ -36,21 +37,34 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def leaves_nothing_behind():
+    """Isolation fails loudly: a test that leaves a torch.distributed default group initialised,
+    or engine threads (named ``stale-*``) still running, fails at its teardown, and the group is
+    destroyed so that the tests after it run as usual (tests/isolation.py)."""
+    yield
+    problems = isolation.left_behind()
+    if problems:
+        pytest.fail("the test left state behind: " + "; ".join(problems), pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def gloo_group_of_one():
     """A gloo default group of one process, for the module's tests (its all-reduce is the
-    identity, so what goes round is checked exactly)."""
+    identity, so what goes round is checked exactly). No test leaves a group behind
+    (`leaves_nothing_behind`), so none is set up when a module starts."""
     import socket
 
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
+    assert not dist.is_initialized(), "a default group survived an earlier test's teardown"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    isolation.MODULE_GROUP["owned"] = True
     yield
+    isolation.MODULE_GROUP["owned"] = False
     dist.destroy_process_group()
 
 

@@ -79,3 +79,27 @@ def test_tensorboard_logger(tmp_path, isolated_ddp):
     assert log_dir == tmp_path / "tensorboard" / "version_0"
     assert list(log_dir.glob("events.out.tfevents.*"))
     assert [int(row["update"]) for row in read_rows(log_dir / "wallclock.csv")] == [1, 2, 3, 4]
+
+
+def test_fit_false_only_validates_the_initial_weights(tmp_path, isolated_ddp):
+    cfg = compose_config("train", [
+        "race=none", "engine=ddp", "delay=none", "trainer.devices=1", "trainer.max_steps=3",
+        "trainer.num_sanity_val_steps=0", "logger=none", "fit=false", f"output_dir={tmp_path}"])
+    summary = train(cfg)
+    assert summary["updates"] == 0 and 0.0 <= summary["val_acc"] <= 1.0
+
+
+def test_ckpt_path_resumes_the_fit_where_the_checkpoint_left_it(tmp_path, isolated_ddp):
+    def run(folder, epochs, *extra):
+        return train(compose_config("train", [
+            "race=none", "engine=ddp", "delay=none", "trainer.devices=1", "trainer.max_steps=-1",
+            f"++trainer.max_epochs={epochs}", "++trainer.limit_train_batches=3", "++trainer.limit_val_batches=1",
+            "trainer.check_val_every_n_epoch=1",
+            "trainer.num_sanity_val_steps=0", "validate=false", f"output_dir={tmp_path / folder}", *extra]))
+
+    run("first", 1, "trainer.enable_checkpointing=true")  # saved at the end of epoch 0
+    (checkpoint,) = (tmp_path / "first").rglob("*.ckpt")
+    resumed = run("resumed", 2, f"ckpt_path='{checkpoint}'")  # (quoted: Lightning names it epoch=0-step=3)
+    rows = read_rows(Path(resumed["log_dir"]) / "wallclock.csv")
+    assert [int(row["update"]) for row in rows] == [4, 5, 6]  # updates 1-3 came from the checkpoint
+    assert resumed["updates"] == 6

@@ -10,6 +10,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_stale.strategies.callbacks as callbacks_module
+from fake_clock import FakeTime
 from lightning_stale.strategies.callbacks import METRIC_NAMES, WallClockLogger, _batch_size
 from lightning_stale.engine.records import UpdateRecord
 
@@ -104,8 +105,25 @@ def test_without_logger_rows_stay_in_memory(tmp_path):
     assert not list(tmp_path.rglob("wallclock.csv"))
 
 
-def test_validation_time_is_excluded_from_training_clock(tmp_path):
-    val_sleep, val_batches, validations = 0.1, 2, 4
+class TickingRegression(TinyRegression):
+    """Each training step takes ``step_s`` and each validation batch its sleep, on ``clock``."""
+
+    def __init__(self, clock, step_s, **kwargs):
+        super().__init__(**kwargs)
+        self.clock, self.step_s = clock, step_s
+
+    def training_step(self, batch, batch_idx):
+        self.clock.sleep(self.step_s)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.clock.sleep(self.sanity_sleep_s if self.trainer.sanity_checking else self.val_sleep_s)
+
+
+def test_validation_time_is_excluded_from_training_clock(tmp_path, monkeypatch):
+    clock = FakeTime()
+    monkeypatch.setattr(callbacks_module, "monotonic", clock.monotonic)
+    step_s, val_sleep, val_batches, validations = 0.01, 0.1, 2, 4
     wall = WallClockLogger()
     trainer = make_trainer(
         tmp_path,
@@ -114,23 +132,16 @@ def test_validation_time_is_excluded_from_training_clock(tmp_path):
         val_check_interval=5,
         num_sanity_val_steps=1,
     )
-    start = time.monotonic()
-    trainer.fit(TinyRegression(val_sleep_s=val_sleep, sanity_sleep_s=0.5))
-    raw_wall = time.monotonic() - start
+    trainer.fit(TickingRegression(clock, step_s, val_sleep_s=val_sleep, sanity_sleep_s=0.5))
 
     slept = val_sleep * val_batches * validations
-    validation_s = wall.summary()["validation_time_s"]
-    # Sanity checking (0.5 s) is excluded from both clocks.
-    assert slept <= validation_s < slept + 0.45
+    # Every validation is counted, and the sanity check (0.5 s) is not.
+    assert wall.summary()["validation_time_s"] == pytest.approx(slept)
     rows = wall.rows
     assert rows[4]["time/validation_s"] == 0  # first validation runs after update 5
-    assert rows[5]["time/validation_s"] >= val_sleep * val_batches
-    assert rows[-1]["time/validation_s"] <= validation_s
-    assert raw_wall - rows[-1]["time/train_s"] >= validation_s + 0.5
-    times = [r["time/train_s"] for r in rows]
-    assert all(a < b for a, b in zip(times, times[1:]))
-    # Four validations of 0.2 s would dominate the step gaps if they were not subtracted.
-    assert times[5] - times[4] < val_sleep
+    assert rows[5]["time/validation_s"] == pytest.approx(val_sleep * val_batches)
+    # The training clock holds the steps only: update i came after i steps of 0.01 s.
+    assert [r["time/train_s"] for r in rows] == pytest.approx([step_s * r["update"] for r in rows])
 
 
 def test_gradient_accumulation_logs_optimizer_steps(tmp_path):

@@ -87,7 +87,9 @@ def test_both_strategies_fit_with_either_trainer(one_process, namespace, make):
 @pytest.mark.parametrize("namespace", NAMESPACES)
 def test_the_tqdm_bar_of_either_namespace_counts_server_updates(namespace):
     strategy = SimulatedStaleStrategy("k_async", 2, num_learners=3)
-    trainer, _ = run(namespace, strategy, enable_progress_bar=True)
+    # Named: Lightning's default bar is Rich's wherever `rich` is installed (mutmut brings it).
+    tqdm_bar = importlib.import_module(f"{namespace}.callbacks").TQDMProgressBar()
+    trainer, _ = run(namespace, strategy, enable_progress_bar=True, callbacks=[tqdm_bar])
     bar = trainer.progress_bar_callback.train_progress_bar
     assert (bar.n, bar.total) == (6, 6)  # 12 pushes per epoch, K = 2; the 6 updates of max_steps
     assert "updates=6" in str(bar) and "K=2" in str(bar)

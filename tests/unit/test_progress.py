@@ -49,7 +49,7 @@ def test_the_bar_counts_server_updates_and_shows_k_and_staleness(engine):
         um.BlobData(batch_size=16),
         max_epochs=2,
         enable_progress_bar=True,
-        callbacks=[watcher],
+        callbacks=[watcher, TQDMProgressBar()],  # named: where `rich` is installed it is the default
     )
     stats = trainer.strategy.stats
     k, per_epoch = stats["k"], 12 // stats["k"]  # 12 batches of 16 per epoch (pushes, all learners)

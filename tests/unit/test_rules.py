@@ -222,3 +222,140 @@ def test_virtual_cluster_batch_variant_lets_one_learner_push_twice():
             learners = [g.learner for g in d.update.gradients]
             repeated += len(learners) != len(set(learners))
     assert repeated > 0
+
+
+# ---------------------------------------------------------------- resume, overflow, deaths
+def test_after_a_resume_staleness_counts_the_updates_since_the_resumed_version():
+    """A run resumed at update 10 (version 10): a gradient computed at version 10 is fresh, not
+    10 updates stale; staleness compensation weighs it by what happened since."""
+    r = rules("k_batch_async", p=2, k=1)
+    r.resume_at(version=10, updates=10)
+    assert r.staleness_of(10) == 0
+    first = r.on_push(0, 10)
+    assert first.update.staleness == (0,) and first.update.index == 11
+    second = r.on_push(1, 10)  # computed before the first update after the resume
+    assert second.update.staleness == (1,) and r.counts.staleness == {0: 1, 1: 1}
+    third = r.on_push(0, 11)  # computed at the first version made after the resume
+    assert third.update.staleness == (1,) and r.staleness_of(13) == 0
+
+
+@pytest.mark.parametrize("name", ["k_sync", "k_batch_sync"])
+def test_a_sync_push_both_stale_and_unusable_is_answered_once_by_the_refresh(name):
+    """Learner 2 was interrupted by update 1 and told to restart (a refresh); its overflowed
+    push at version 0 crossed that refresh: it must not also be told to go on with what it holds."""
+    r = rules(name, p=3, k=2)
+    r.on_push(0, 0)
+    update = r.on_push(1, 0)
+    assert update.update is not None and 2 in update.refresh and 2 in update.cancel
+    late = r.on_push(2, 0, unusable="overflow")
+    assert (late.dropped, late.resume, late.refresh, late.update) == ("overflow", (), (), None)
+    assert r.counts.dropped == {"overflow": 1} and r.accounting_ok()
+
+
+@pytest.mark.parametrize("name", ["k_async", "k_batch_async"])
+def test_an_async_push_stale_and_unusable_goes_on_with_what_it_holds(name):
+    r = rules(name, p=3, k=2)
+    r.on_push(0, 0)
+    r.on_push(1, 0)  # update 1; learner 2 keeps computing at version 0
+    late = r.on_push(2, 0, unusable="overflow")
+    assert (late.dropped, late.resume, late.refresh) == ("overflow", (2,), ())
+
+
+def test_adaptive_k_is_never_set_above_the_learners_alive():
+    """After deaths under on_learner_failure="continue", AdaSync asking for a larger K gets the
+    learners left: an update waiting for more gradients than learners would never come."""
+    r = rules("k_async", p=4, k=2)
+    r.remove_learner(0)
+    r.remove_learner(1)
+    r.set_k(4)
+    assert r.k == 2 and r.variant.k == 4  # the variant keeps what was asked, validated against P
+    r.on_push(2, 0)
+    assert r.on_push(3, 0).update is not None  # the two alive learners make an update
+    r.remove_learner(2)
+    r.set_k(3)
+    assert r.k == 1 and r.on_push(3, 1).update is not None
+
+
+@pytest.mark.parametrize("p,expected", [(3, 2), (5, 3), (7, 4), (1, 1), (2, 1), (4, 2)])
+@pytest.mark.parametrize("name", ["k_sync", "k_batch_sync", "k_async", "k_batch_async"])
+def test_the_default_k_of_a_k_variant_is_half_of_p_rounded_up(name, p, expected):
+    from lightning_stale.method.variants import default_k
+
+    assert default_k(name, p) == expected == Variant.create(name, p).k
+    assert default_k("sync", p) == p and default_k("async", p) == 1
+
+
+def test_the_counters_of_a_run_with_a_drop_a_death_and_a_push_after_the_stop():
+    r = rules("k_async", p=3, k=2)
+    r.on_push(0, 0)
+    assert r.on_push(1, 0).update.staleness == (0, 0)
+    assert r.on_push(2, 0, unusable="overflow").resume == (2,)
+    assert r.on_push(2, 0).accepted and r.is_waiting(2)
+    assert r.remove_learner(1).update is None and r.alive == (0, 2) and r.k == 2
+    second = r.on_push(0, 1)
+    assert second.update.staleness == (1, 0) and second.refresh == (0, 2)
+    assert r.versions_in_use() == {2} and r.learner_version(2) == 2
+    r.stop()
+    assert r.on_push(2, 2).dropped == "in_flight_at_stop"
+    assert r.stats() == {
+        "updates": 2, "gradients_received": 6, "gradients_applied": 4, "gradients_dropped": 1,
+        "gradients_dropped_by_reason": {"overflow": 1}, "gradients_pending": 0,
+        "gradients_in_flight_at_stop": 1, "cancellations": 0, "staleness_histogram": {0: 3, 1: 1},
+        "pushes_per_learner": [2, 1, 3], "dead_learners": [1], "k": 2, "p": 3, "variant": "k_async"}
+    assert r.accounting_ok()
+
+
+def test_removing_a_learner_answers_with_the_current_version_and_it_waits_no_more():
+    r = rules("k_async", p=3, k=2)
+    r.on_push(0, 0)
+    r.on_push(1, 0)  # update 1
+    r.on_push(2, 0)  # learner 2 waits for update 2
+    assert r.is_waiting(2)
+    removed = r.remove_learner(2)
+    assert (removed.push, removed.update, removed.version) == (None, None, 1) and not r.is_waiting(2)
+    again = r.remove_learner(2)  # a death heard twice changes nothing
+    assert (again.push, again.update, again.version) == (None, None, 1)
+    assert r.counts.dead_learners == [2] and r.alive == (0, 1)
+
+
+def test_a_dropped_push_is_named_in_its_decision_with_the_current_version():
+    r = rules("k_sync", p=3, k=2)
+    r.on_push(0, 0)
+    r.on_push(1, 0)  # update 1
+    stale = r.on_push(2, 0)
+    assert (stale.dropped, stale.push.learner, stale.push.version, stale.version) == ("stale", 2, 0, 1)
+
+
+def test_every_decision_names_its_push_and_the_version_after_it():
+    r = rules("k_async", p=2, k=2)
+    assert r.stopped is False
+    with pytest.raises(ProtocolError, match="learner 2 does not exist"):
+        r.on_push(2, 0)
+    waiting = r.on_push(0, 0)
+    assert (waiting.push.learner, waiting.accepted, waiting.version) == (0, True, 0)
+    update = r.on_push(1, 0)
+    assert update.version == 1 == update.update.version
+    overflow = r.on_push(0, 1, unusable="overflow")
+    assert (overflow.push.learner, overflow.push.version, overflow.version) == (0, 1, 1)
+    r.stop()
+    late = r.on_push(1, 1)
+    assert (late.push.learner, late.dropped, late.version) == (1, "in_flight_at_stop", 1)
+    batch = rules("k_batch_async", p=2, k=2)
+    goes_on = batch.on_push(0, 0)
+    assert (goes_on.push.learner, goes_on.accepted, goes_on.version, goes_on.resume) == (0, True, 0, (0,))
+
+
+def test_cancellations_add_up_over_updates():
+    r = rules("k_sync", p=3, k=2)
+    for version in (0, 1):
+        r.on_push(0, version)
+        assert r.on_push(1, version).cancel == (2,)
+    assert r.counts.cancellations == 2 and r.stats()["cancellations"] == 2
+
+
+def test_a_k_batch_async_update_completed_by_a_death_refreshes_nobody():
+    r = rules("k_batch_async", p=3, k=3)
+    r.on_push(0, 0)
+    r.on_push(1, 0)
+    completed = r.remove_learner(2)
+    assert completed.update is not None and completed.refresh == () and completed.version == 1

@@ -191,3 +191,17 @@ def test_bad_iteration_count_and_gap():
         sync_error_bound(-1, k=1, initial_gap=1.0, **BOUND)
     with pytest.raises(ValueError, match="initial_gap"):
         sync_error_bound(1, k=1, initial_gap=-1.0, **BOUND)
+
+
+def test_the_async_bound_contracts_at_eta_c_gamma_prime_after_j_iterations():
+    """At j = 0 the bound is the initial gap whatever its rate: check j = 1, 3, 10 against the
+    formula by hand, with gamma' = 1 - 0.5 + 0.5 / 2 = 0.75 (docs/method.md)."""
+    from lightning_stale.method.theory import async_error_bound, async_error_floor
+
+    args = dict(eta=0.1, smoothness=1.0, strong_convexity=0.5, gradient_variance=1.0, k=1,
+                batch_size=1)
+    floor = 0.1 * 1.0 * 1.0 / (2 * 0.5 * 0.75 * 1 * 1)
+    assert async_error_floor(**args, gamma=0.5, p0=0.5) == pytest.approx(floor)
+    for j in (1, 3, 10):
+        by_hand = floor + (1 - 0.1 * 0.5 * 0.75) ** j * (2.0 - floor)
+        assert async_error_bound(j, **args, initial_gap=2.0, gamma=0.5, p0=0.5) == pytest.approx(by_hand, rel=1e-12)

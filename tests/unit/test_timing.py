@@ -15,6 +15,8 @@ from pytorch_lightning.strategies import SingleDeviceStrategy
 
 from lightning_stale import SimulatedStaleStrategy
 from lightning_stale.delays import Exponential, Trace, fit
+from fake_clock import FakeTime
+from lightning_stale.strategies import timing as timing_module
 from lightning_stale.strategies.timing import MINIBATCH_COLUMNS, MiniBatchTimer
 
 logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
@@ -24,13 +26,13 @@ QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False
 
 
 class Sleep(Callback):
-    """Sleeps `seconds` in on_before_optimizer_step (after backward)."""
+    """Takes `seconds` of ``clock`` in on_before_optimizer_step (after backward)."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self, clock, seconds):
+        self.clock, self.seconds = clock, seconds
 
     def on_before_optimizer_step(self, *args):
-        time.sleep(self.seconds)
+        self.clock.sleep(self.seconds)
 
 
 class ReportX(Callback):
@@ -46,16 +48,18 @@ def read(path):
         return next(reader), list(reader)
 
 
-def test_computation_counts_callbacks_before_the_timer_and_not_after(tmp_path):
+def test_computation_counts_callbacks_before_the_timer_and_not_after(tmp_path, monkeypatch):
+    clock = FakeTime()  # only the two callbacks take time on it
+    monkeypatch.setattr(timing_module, "perf_counter", clock.perf_counter)
     timer = MiniBatchTimer(tmp_path / "out")
-    trainer = Trainer(max_steps=6, callbacks=[Sleep(0.02), timer, Sleep(0.05)], **QUIET)
+    trainer = Trainer(max_steps=6, callbacks=[Sleep(clock, 0.02), timer, Sleep(clock, 0.05)], **QUIET)
     trainer.fit(BoringModel())
     assert timer.written == tmp_path / "out" / "minibatch_times.csv"
     header, rows = read(timer.written)
     assert tuple(header) == MINIBATCH_COLUMNS
     assert [(r[0], r[1]) for r in rows] == [("0", str(i)) for i in range(6)]
     compute = [float(r[3]) for r in rows]
-    assert all(0.02 <= c < 0.05 for c in compute)  # the sleep before counts, the one after not
+    assert compute == pytest.approx([0.02] * 6)  # the sleep before counts, the one after not
     assert all(r[4] == "" and r[2] == r[3] for r in rows)  # no X reported: delay_s = compute_s
     assert Trace(timer.written).learners == [0]
 
@@ -78,7 +82,7 @@ def test_simulated_engine_records_every_push_with_its_virtual_x(tmp_path):
     torch.manual_seed(0)
     timer = MiniBatchTimer(tmp_path)
     strategy = SimulatedStaleStrategy("k_async", 2, num_learners=3, delay=Exponential(0.1, seed=0))
-    trainer = Trainer(max_steps=8, strategy=strategy, callbacks=[Sleep(0.002), timer], **QUIET)
+    trainer = Trainer(max_steps=8, strategy=strategy, callbacks=[Sleep(time, 0.002), timer], **QUIET)
     trainer.fit(BoringModel())
     rows = read(timer.written)[1]
     assert len(rows) == strategy.stats["gradients_received"] >= 2 * trainer.global_step == 16

@@ -1,0 +1,284 @@
+"""The real engine's learner and server with P learners in one process, for the quick loop.
+
+P real `Learner` objects (engine/distributed/learner.py), each on a thread with its own copy of
+the user's module, and the real `ParameterServer` + `ServerCore` + `CentralPayloads` on the
+server's side, joined by queues in place of the gloo endpoints (`QueueServerEndpoint`,
+`QueueLearnerEndpoint`: the part of transport.py's `ServerEndpoint` and `LearnerEndpoint` that
+the server and the learner use). Delays injected per learner make the slow learners slow, so
+that staleness (async family) and cancellation (sync family) happen as in a multi-process run.
+
+Everything that went through is recorded independently of the engine's own books: every push
+as the server received it (learner, version, mini-batch, payload), every update the server
+applied and the server's flat parameters and buffers at every version, so that a test can
+recompute the method's update rule by hand (docs/method.md, "Setting").
+
+All coupling to the engine's internals is here (the engine is being restructured: adapt here).
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from lightning_stale.engine.core import ServerCore, ServerLimits
+from lightning_stale.engine.distributed.learner import Learner
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message
+from lightning_stale.engine.distributed.paths.central.sides import CentralExchange, CentralPayloads
+from lightning_stale.engine.distributed.server import ParameterServer
+from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
+from lightning_stale.method.compensation import StalenessCompensation
+from lightning_stale.method.variants import Variant
+
+LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these to a learner
+TIMEOUT_S = 30.0  # a learner or the server stuck this long fails the test instead of hanging it
+
+
+@dataclass
+class RecordedPush:
+    """A push as the server received it; ``id`` is the rules' push id (arrival order)."""
+
+    id: int
+    learner: int
+    version: int
+    batch: int  # the learner's mini-batch index
+    payload: torch.Tensor | None  # the gradient and buffers as pushed (None: unusable)
+    masked: bool = False  # the payload ends with a presence mask (some gradient was missing)
+
+
+@dataclass
+class RecordedUpdate:
+    update: object  # method.rules.Update
+    weights: tuple | None
+
+
+class QueueLearnerEndpoint:
+    """A learner's side of the connection: pushes go straight into the server's event queue,
+    the server's messages come into ``inbox``. In one process there is no connection to break
+    and no silence to watch (``local``, as rank 0's learner beside its server)."""
+
+    local = True
+
+    def __init__(self, rank: int, run: InProcessRun) -> None:
+        self.rank, self._run = rank, run
+        self.inbox: queue.Queue = queue.Queue()
+        self.last_heard = time.monotonic()
+        self.failure: str | None = None
+        self.interrupted: str | None = None
+        self.server_aborted = False
+        self.batch = -1  # the mini-batch of the push being made (set by the learner's thread)
+
+    def push(self, message: Message) -> None:
+        message.learner = self.rank
+        message.received_at = time.monotonic()
+        self._run.received(message, self.batch)
+
+    def connection_broke(self, exc: BaseException) -> str:
+        self.failure = self.failure or f"learner {self.rank}: {exc}"
+        return self.failure
+
+    def join(self, timeout: float) -> bool:
+        return True
+
+
+class QueueServerEndpoint:
+    """The server's side: ``send`` puts a message into that learner's inbox."""
+
+    def __init__(self, learners: list[QueueLearnerEndpoint]) -> None:
+        self.learners = learners
+        self.broken: dict[int, str] = {}
+        self._closed: set[int] = set()
+        self.sent: list[tuple[int, Kind, int]] = []  # (learner, kind, version)
+
+    def send(self, learner: int, message: Message) -> None:
+        if learner in self._closed:
+            return
+        if message.kind in LAST:
+            self._closed.add(learner)
+        message.learner = learner
+        message.received_at = time.monotonic()
+        self.sent.append((learner, message.kind, message.version))
+        endpoint = self.learners[learner]
+        endpoint.last_heard = message.received_at
+        if message.kind == Kind.ABORT:
+            endpoint.failure, endpoint.server_aborted = message.error, True
+        endpoint.inbox.put(message)
+
+    def heartbeat(self, interval: float) -> None:
+        """Nothing to do: the learners here watch no silence."""
+
+    def forget(self, learner: int) -> None:
+        self._closed.add(learner)
+
+
+class RecordingPayloads(CentralPayloads):
+    """`CentralPayloads` that also keep the server's parameters and buffers at every version."""
+
+    def __init__(self, vectors: ModelVectors, run: InProcessRun) -> None:
+        super().__init__(vectors, on_device=frozenset())
+        self._run = run
+
+    def on_update(self, update, contributions, weights) -> None:
+        super().on_update(update, contributions, weights)
+        run = self._run
+        run.updates.append(RecordedUpdate(update, weights))
+        run.versions[update.version] = run.core.state.snapshot(update.version).clone()
+
+
+class Delays:
+    """A fixed injected delay (seconds) per learner: ``seconds[learner]``."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.seconds = seconds
+
+    def sample(self, learner: int) -> float:
+        return self.seconds.get(learner, 0.0)
+
+
+def classification_loss(module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(module(x), y)
+
+
+@dataclass
+class InProcessRun:
+    """One fit of ``p`` real learners and the real server in this process (see the module
+    docstring). ``batches(rank, i)`` gives learner ``rank``'s i-th mini-batch."""
+
+    module: torch.nn.Module
+    batches: object
+    variant: str
+    p: int
+    k: int | None = None
+    delays: dict[int, float] = field(default_factory=dict)
+    max_updates: int = 8
+    max_batches: int = 200  # per learner: leaves (a BYE ends training) if no stop came first
+    compensation: str | None = None
+    loss: object = classification_loss
+
+    def __post_init__(self) -> None:
+        self.pushes: list[RecordedPush] = []
+        self.updates: list[RecordedUpdate] = []
+        self.versions: dict[int, torch.Tensor] = {}
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._received = 0
+
+    # ------------------------------------------------------------------ wiring
+    def received(self, message: Message, batch: int) -> None:
+        """A learner's message reaches the server: pushes are recorded in the order the server
+        will take them (the rules number pushes in that order)."""
+        with self._lock:
+            if message.kind == Kind.PUSH:
+                usable = not message.flags & Flag.UNUSABLE
+                payload = message.payload.detach().clone() if usable and message.payload is not None else None
+                self.pushes.append(RecordedPush(self._received, message.learner, message.version, batch,
+                                                payload, bool(message.flags & Flag.MASKED)))
+                self._received += 1
+            self.server.events.put(message)
+
+    def fit(self) -> InProcessRun:
+        variant = Variant.create(self.variant, self.p, self.k)
+        server_module = copy.deepcopy(self.module)
+        optimizer = server_module.configure_optimizers()
+        state = ServerState(server_module, optimizer)
+        compensation = StalenessCompensation.create(self.compensation)
+        self.core = ServerCore(variant, state, ServerLimits(max_updates=self.max_updates),
+                               compensation=compensation, clock=time.monotonic())
+        self.versions[0] = state.snapshot(0).clone()
+        self.server_vectors = ModelVectors.of(server_module)
+        self.server = ParameterServer(self.core, RecordingPayloads(self.server_vectors, self), heartbeat_s=0.05)
+        self.endpoints = [QueueLearnerEndpoint(r, self) for r in range(self.p)]
+        self.modules = [copy.deepcopy(self.module) for _ in range(self.p)]
+        delays = Delays(self.delays)
+        vectors = [ModelVectors.of(m) for m in self.modules]
+        self.learners = [Learner(e, v, delays, exchange=CentralExchange(v), waits_for_answer=variant.pusher_needs_answer)
+                         for e, v in zip(self.endpoints, vectors)]
+        self.server_endpoint = QueueServerEndpoint(self.endpoints)
+        self.server.start(self.server_endpoint)
+        threads = [threading.Thread(target=self._learn, args=(r,), daemon=True, name=f"inprocess-learner-{r}")
+                   for r in range(self.p)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        stuck = [t.name for t in threads if t.is_alive()]
+        if not self.server.join(TIMEOUT_S):
+            stuck.append("stale-server")
+        if self.errors:
+            raise self.errors[0]
+        if stuck or self.server.error:
+            raise RuntimeError(f"the in-process run did not end cleanly: {stuck or self.server.error}")
+        self.stats, _ = self.server.final_report()
+        return self
+
+    def _learn(self, rank: int) -> None:
+        module, endpoint, learner = self.modules[rank], self.endpoints[rank], self.learners[rank]
+        try:
+            module.train()
+            learner.wait_for_parameters()
+            for i in range(self.max_batches):
+                if learner.stopped:
+                    break
+                module.zero_grad()
+                batch = self.batches(rank, i)
+                loss = self.loss(module, batch)
+                loss.backward()
+                endpoint.batch = i
+                learner.step(loss.item(), len(batch[1]), time.monotonic())
+            learner.close(TIMEOUT_S)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
+            self.errors.append(exc)
+            self.server.events.put(Message(Kind.ABORT, rank, error=f"learner {rank}: {exc!r}"))
+
+    # ------------------------------------------------------------------ what the method says
+    def pushed(self, push_id: int) -> Contribution:
+        """Push ``push_id``'s gradient and buffers, as the server splits them."""
+        push = self.pushes[push_id]
+        return self.server_vectors.split_push(push.payload.clone(), push.masked)
+
+    def gradient_at(self, version: int, learner: int, batch: int) -> torch.Tensor:
+        """By hand: the gradient of ``learner``'s mini-batch ``batch`` at the server's
+        parameters of ``version`` (buffers as the learner held them do not enter the gradient
+        of a module without BatchNorm)."""
+        module = copy.deepcopy(self.module)
+        vectors = ModelVectors.of(module)
+        vectors.load_state(self.versions[version])
+        module.zero_grad()
+        self.loss(module, self.batches(learner, batch)).backward()
+        return torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.requires_grad])
+
+    def parameters(self, version: int) -> torch.Tensor:
+        return self.versions[version][: self.server_vectors.numel]
+
+    def buffers(self, version: int) -> torch.Tensor:
+        return self.versions[version][self.server_vectors.numel:]
+
+
+def blob_batches(batch_size: int = 8, features: int = 8, seed: int = 0, image: bool = False):
+    """``batches(rank, i)``: disjoint mini-batches of 3-class blobs per learner (a rank's i-th
+    batch is the same every time it is asked for)."""
+    from user_modules import blobs
+
+    x, y = blobs(192, features, seed=seed)
+    if image:
+        x = x.view(-1, 1, 4, features // 4)
+    count = len(y) // batch_size
+
+    def batches(rank: int, i: int):
+        j = (7 * rank + i) % count
+        return x[j * batch_size:(j + 1) * batch_size], y[j * batch_size:(j + 1) * batch_size]
+
+    return batches
+
+
+def isclose(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+
