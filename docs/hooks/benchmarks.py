@@ -65,6 +65,10 @@ SPECS: dict[str, dict[str, Any]] = {
                            reference=1.0, ylabel="head's ratio to ddp over base's"),
     "record_minibatch_times": dict(columns=None, plot="bar", label=["learner"], value="mean_s",
                                    ylabel="mean seconds per mini-batch"),
+    "mutation": dict(columns=["mutants", "killed", "timeout", "survived", "equivalent",
+                              "killed_fraction_of_non_equivalent"], plot=None,
+                     also=("mutation_equivalent", "The surviving mutants that are equivalent, and why")),
+    "mutation_equivalent": dict(list="equivalent", columns=["file", "line", "change", "reason"], plot=None),
     "gpu_check": dict(columns=["variant", "path", "updates", "default_backend", "server_backend",
                                "module_device", "counts_balance", "module_matches_server",
                                "same_on_every_rank", "val_acc", "overlapped", "channels", "on_channels"],
@@ -81,7 +85,17 @@ def load(benchmark: str, kind: str) -> dict[str, Any] | None:
 def rows_of(benchmark: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
     where = SPECS.get(benchmark, {}).get("rows", "figures")
     rows = doc["figures"] if where == "figures" else doc.get("settings", {}).get(where, [])
+    if isinstance(rows, dict):  # one summary (mutation testing): its items, or the list it names
+        listed = SPECS.get(benchmark, {}).get("list")
+        if listed:
+            return [r for r in rows.get(listed, []) if isinstance(r, dict)]
+        return [{k: len(v) if isinstance(v, list) else v for k, v in rows.items()
+                 if _scalar(v) or isinstance(v, list)}]
     return [r for r in rows if isinstance(r, dict)]
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _cell(value: Any) -> str:
@@ -130,7 +144,7 @@ def figure_png(benchmark: str, doc: dict[str, Any]) -> bytes | None:
     """The benchmark's figure as PNG bytes, or None where it has nothing to draw."""
     spec = SPECS.get(benchmark)
     rows = rows_of(benchmark, doc)
-    if not spec or not rows:
+    if not spec or not rows or spec.get("plot") is None:
         return None
     value = _value_column(spec, rows)
     import matplotlib
@@ -237,6 +251,11 @@ def section(benchmark: str, kind: str, command: str, has_figure: bool) -> str:
     rows = rows_of(benchmark, doc)
     parts = [title, "", provenance(doc), ""]
     parts += [markdown_table(benchmark, rows) if rows else "(the file holds no rows)", ""]
+    also = SPECS.get(benchmark, {}).get("also")
+    if also:  # a second table from the same file
+        extra, heading = also
+        extra_rows = rows_of(extra, doc)
+        parts += [f"### {heading}", "", markdown_table(extra, extra_rows) if extra_rows else "None.", ""]
     if has_figure:
         parts += [f"![{benchmark}, {KINDS[kind]}](figures/{benchmark}-{kind}.png)", ""]
     return "\n".join(parts)
@@ -244,7 +263,7 @@ def section(benchmark: str, kind: str, command: str, has_figure: bool) -> str:
 
 def index_table() -> str:
     lines = ["| benchmark | CPU results | GPU results |", "| --- | --- | --- |"]
-    for benchmark in sorted(SPECS):
+    for benchmark in sorted(b for b, spec in SPECS.items() if "list" not in spec):  # (not sub-tables)
         cells = []
         for kind in KINDS:
             doc = load(benchmark, kind)

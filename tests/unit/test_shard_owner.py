@@ -71,8 +71,10 @@ def wait_until(condition, timeout=5.0):
 
 
 def test_owners_split_the_model_at_tensor_boundaries():
-    _, state0, *_ = make_owner(rank=0, p=2)
-    _, state1, *_ = make_owner(rank=1, p=2)
+    owner0, state0, *_ = make_owner(rank=0, p=2)
+    owner1, state1, *_ = make_owner(rank=1, p=2)
+    retire(owner0)
+    retire(owner1)
     assert [p.numel() for p in state0.params] == [4] and [p.numel() for p in state1.params] == [2]
 
 

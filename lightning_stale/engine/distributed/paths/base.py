@@ -51,6 +51,20 @@ class RankOptions:
     timeout: datetime.timedelta | None = None
 
 
+def spread_path_problem(name: str, on_learner_failure: str,
+                        compensation: StalenessCompensation | None) -> str | None:
+    """What a path whose every update needs every learner's process (in an all-reduce, or
+    holding a slice) cannot run: surviving a dead learner, and the "norm" compensation, which
+    needs the parameters in one place. None if neither is asked for."""
+    if on_learner_failure != "stop":
+        return (f"server={name!r} needs every learner's process (in each all-reduce, or holding a "
+                "slice), so a dead learner ends the run: use server='central' with "
+                "on_learner_failure='continue'")
+    if compensation is not None and compensation.needs_parameters:
+        return "the 'norm' staleness compensation needs the server's parameters in one place: use server='central'"
+    return None
+
+
 class LearnerSide(ABC):
     """How a learner meets the server on one path (the learner calls these, in this order, for
     every push: `fill_push` after backward, `carry` where the push waits over an epoch's end,

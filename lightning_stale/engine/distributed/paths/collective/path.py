@@ -13,6 +13,7 @@ from lightning_stale.engine.distributed.paths.base import (
     RankContext,
     RankParts,
     ServerPath,
+    spread_path_problem,
 )
 from lightning_stale.engine.distributed.paths.collective.overlap import OverlappedAllReduce
 from lightning_stale.engine.distributed.paths.collective.sides import CollectiveExchange, CollectivePayloads
@@ -32,13 +33,8 @@ class CollectivePath(ServerPath):
         if not kind_of(variant_name).synchronous:
             return (f"server='collective' serves the sync family (every update refreshes every learner), "
                     f"not {variant_name!r}: use server='sharded', 'central' or 'auto'")
-        if on_learner_failure != "stop":
-            return ("server='collective' needs every learner's process (in each all-reduce, or holding a "
-                    "slice), so a dead learner ends the run: use server='central' with "
-                    "on_learner_failure='continue'")
-        if compensation is not None and compensation.needs_parameters:
-            return "the 'norm' staleness compensation needs the server's parameters in one place: use server='central'"
-        return None  # (clipping: every learner holds the whole averaged gradient)
+        # (clipping is fine: every learner holds the whole averaged gradient)
+        return spread_path_problem(self.name, on_learner_failure, compensation)
 
     def traffic(self, numel: int, p: int, k: int) -> float:
         """A ring all-reduce of the N-value sum: each rank sends and receives N(P - 1)/P values in

@@ -13,6 +13,7 @@ from lightning_stale.engine.distributed.paths.base import (
     RankContext,
     RankParts,
     ServerPath,
+    spread_path_problem,
 )
 from lightning_stale.engine.distributed.paths.sharded.mesh import DataMesh
 from lightning_stale.engine.distributed.paths.sharded.owner import ShardLayout, ShardOwner
@@ -35,12 +36,9 @@ class ShardedPath(ServerPath):
 
     def problem(self, variant_name: str, on_learner_failure: str, compensation: StalenessCompensation | None,
                 clips: bool = False) -> str | None:
-        if on_learner_failure != "stop":
-            return ("server='sharded' needs every learner's process (in each all-reduce, or holding a "
-                    "slice), so a dead learner ends the run: use server='central' with "
-                    "on_learner_failure='continue'")
-        if compensation is not None and compensation.needs_parameters:
-            return "the 'norm' staleness compensation needs the server's parameters in one place: use server='central'"
+        problem = spread_path_problem(self.name, on_learner_failure, compensation)
+        if problem is not None:
+            return problem
         if clips:
             return ("gradient clipping needs the norm of the whole averaged gradient, which the sharded "
                     "path holds in slices: use server='central' or 'collective'")
