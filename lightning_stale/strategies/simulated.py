@@ -44,6 +44,13 @@ from lightning_stale.replay.setup import (
 )
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.lightning_api import set_global_step, set_root_device, with_sampler
+from lightning_stale.strategies.local_updates import (
+    LocalRound,
+    check_local_steps,
+    outer_optimizer_factory,
+    plain_averaging,
+    take_inner_state,
+)
 from lightning_stale.strategies.namespaces import register_everywhere
 
 
@@ -91,6 +98,14 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             on its recorded mini-batch with its recorded seed. Run it with the recorded run's
             module, data and Trainer limits; afterwards ``replay_report`` says where the
             replay and the log differ (`lightning_stale.replay.replayer`).
+        local_steps: H, local updates (docs/how-to/local-updates.md): each learner takes H steps
+            of the module's optimizer (its own state per learner) from the parameters it pulled,
+            then pushes the pseudo-gradient, pulled minus current parameters; its virtual time
+            is the sum of H draws. 1 (the default): a push per step, the paper's method.
+        outer_optimizer: how the server applies an update's averaged pseudo-gradients: None for
+            plain averaging (SGD, lr 1, no momentum), or a class path and its arguments,
+            ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9,
+            "nesterov": True}}`` (DiLoCo). Given, it makes local updates even with H = 1.
 
     During fit: ``trainer.global_step`` is the number of server updates (so ``max_steps`` counts
     them, and ``estimated_stepping_batches`` estimates them); a push is one optimizer step
@@ -107,6 +122,12 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     parameters, ``trace_recorder`` holds the recorded delays, ``stats["events_path"]`` names the
     event log (``record_events``) and ``replay_report`` is the replay's report (``replay``).
 
+    With local updates, one Lightning training step is one inner step of a learner, and
+    ``trainer.global_step`` is H x the server updates: ``max_steps``, ``estimated_stepping_batches``
+    and the step-interval LR schedulers (of the inner optimizer, H steps per update) count inner
+    steps, as under DDP with model averaging; gradient clipping applies to each inner step; an
+    epoch is one pass worth of inner steps. Event logs and replays are not available with them.
+
     Not supported (clear errors at setup): manual optimization, more than one optimizer.
     """
 
@@ -122,7 +143,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
                  seed: int = 0, record_trace: bool | str | os.PathLike | None = None,
                  device: str | torch.device | None = None,
                  record_events: bool | str | os.PathLike = False, digest_every: int = 1,
-                 replay: str | os.PathLike | None = None, **kwargs: Any) -> None:
+                 replay: str | os.PathLike | None = None, local_steps: int = 1,
+                 outer_optimizer: str | dict | None = None, **kwargs: Any) -> None:
         # (the Lightning base is joined at import, `strategies.namespaces`: not visible here)
         super().__init__(device="cpu" if device is None else device, **kwargs)  # type: ignore[call-arg]
         self._device_given = device is not None
@@ -148,6 +170,13 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             raise ValueError(f"compute_time must be a finite number >= 0, got {compute_time!r}")
         self.num_learners, self.compute_time = num_learners, compute_time
         self.settle_variant(num_learners)  # P is known: every option is checked now
+        self.local_steps, self.outer_optimizer = check_local_steps(local_steps), outer_optimizer
+        self._outer = outer_optimizer_factory(outer_optimizer)
+        self.local_updates = self.local_steps > 1 or self._outer is not None
+        if self.local_updates and (record_events or replay is not None):
+            raise ValueError("record_events and replay cannot go with local updates (local_steps > 1 "
+                             "or an outer_optimizer): an event log holds one mini-batch per push")
+        self._round: LocalRound | None = None  # the local steps in progress
         self.trace_recorder: TraceRecorder | None = None
         self.server: SimulatedServer | None = None
         self._retry: Finish | None = None  # a learner whose training_step was skipped
@@ -183,12 +212,13 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             super().setup(trainer)
             return
         trainer.fit_loop.setup_data()  # before configure_optimizers: estimated_stepping_batches
-        pushes = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+        pushes = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches / self.local_steps)
         with self.counting_updates(trainer, pushes):
             super().setup(trainer)
         self.check_trainer(trainer, [])
         self._schedulers = self.take_over_schedulers(trainer)
-        self._clip = self.take_over_clipping(trainer)
+        # (with local updates each learner clips its inner steps' gradients, as a DDP rank does)
+        self._clip = None if self.local_updates else self.take_over_clipping(trainer)
         self.validate_on_server_state(trainer)
         self.show_progress(trainer)
 
@@ -198,10 +228,12 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         module = self.lightning_module
         # Buffers travel with the parameters, as in the real engine: a simulated learner computes
         # with the buffers of the version it pulled, and the server combines the pushed ones.
-        state = ServerState(module, self.optimizers[0], self._schedulers, clip=self._clip)
+        outer = (self._outer or plain_averaging()) if self.local_updates else None
+        state = ServerState(module, self.optimizers[0], self._schedulers, clip=self._clip,
+                            outer=outer, steps_per_update=self.local_steps)
         self._learner_view = ModelVectors.of(module)
         self._final_stats = None
-        self._retry = self._finish = None
+        self._retry = self._finish = self._round = None
         self._epoch = module.trainer.current_epoch
         self.settle_variant(self.num_learners)  # a fresh AdaSync schedule for this fit
         restored, self._resume = self._resume, None
@@ -219,6 +251,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self.server = pickle.loads(restored["engine"])
             self.server.attach(state)
             self._adaptive = self.server.core.adaptive
+            if restored.get("outer_optimizer") is not None:
+                state.optimizer.load_state_dict(restored["outer_optimizer"])
+            if restored.get("round") is not None:  # saved within a round: it starts again
+                self._retry = pickle.loads(restored["round"])
             return
         delay = self.delay
         if hasattr(delay, "reset"):
@@ -228,7 +264,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             delay = RecordingDelay(delay, self.trace_recorder)
         assert self.variant is not None, "settled for this fit"
         self.server = SimulatedServer(state, self.variant, delay, self.compute_time,
-                                      self._adaptive, self.staleness_compensation)
+                                      self._adaptive, self.staleness_compensation,
+                                      local_steps=self.local_steps)
         if self.record_events:
             self._recorder = start_recording(self, module, events_path(self.record_events, module.trainer))
             self.server.core.observer = self._recorder
@@ -245,6 +282,9 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             # A strategy has no epoch-end hook: the epoch that ended is handled here.
             self._end_epoch()
             self._epoch = trainer.current_epoch
+        if self._round is not None and self._round.paused is not None:
+            self._learner_view.load_state(self._round.paused)  # validation ran within the round
+            self._round.paused = None
         if self.server is not None and self._finish is None:
             # The first micro-batch of a push: the next learner to finish computes it on the
             # parameters it holds (a learner whose step was skipped tries again).
@@ -252,6 +292,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._retry = None
             self._learner_view.load_state(self.server.parameters_for(self._finish))
             self._batch_samples = 0
+            if self.local_updates:
+                learner = self._finish.learner
+                self._round = LocalRound(self._finish, self.local_steps, self.optimizers[0],
+                                         self.server.inner_states.get(learner))
             if self._recorder is not None:
                 self._push_draw = {"draw": self._draws, "batches": 0, "batch": [],
                                    "rng": self._push_seed(self._finish)}
@@ -276,6 +320,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
 
     @override
     def enter_validation(self) -> None:
+        if self._round is not None and self._round.paused is None:
+            self._round.paused = self._learner_view.state_vector()  # restored when training goes on
         self._load_server_parameters()
 
     @override
@@ -288,8 +334,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._end_epoch()  # the last epoch ended too
         self.server.stop()
         # The learner's optimizer takes the server's state, as the module its parameters: what
-        # Lightning saves after fit (its checkpoint slots) is the server's.
-        self.optimizers[0].load_state_dict(self._running.state.optimizer.state_dict())
+        # Lightning saves after fit (its checkpoint slots) is the server's. (With local updates
+        # the server's is the outer optimizer, and the inner states stay the learners'.)
+        if not self.local_updates:
+            self.optimizers[0].load_state_dict(self._running.state.optimizer.state_dict())
         self._final_stats = self.server.stats()
         if self.trace_recorder is not None:
             self.write_trace(self.trace_recorder)
@@ -325,6 +373,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         server = self.server
         assert server is not None and self._finish is not None, "optimizer_step outside fit"
         model = model or self.lightning_module
+        if self._round is not None:
+            return self._local_step(server, self._round, model, optimizer, closure)
         finish, self._finish = self._finish, None
         loss, overflow = self.compute_gradient(model, optimizer, closure)
         if loss is None:
@@ -340,6 +390,27 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self.minibatch_times.append(finish.time - finish.started)  # X, for MiniBatchTimer
         set_global_step(self.lightning_module.trainer, server.updates)
         return loss
+
+    def _local_step(self, server: SimulatedServer, round_: LocalRound, model: Any,
+                    optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
+        """One inner step of the learner's round; its last one pushes the pseudo-gradient. A
+        skipped training_step is not a step: the learner goes on with the next batch."""
+        loss, overflow = self.compute_gradient(model, optimizer, closure)
+        if loss is not None and round_.step(optimizer, self._learner_view.params, float(loss), overflow):
+            finish = round_.finish
+            contribution = round_.contribution(self._learner_view, server.parameters_for(finish))
+            server.inner_states[finish.learner] = take_inner_state(optimizer)
+            self._finish = self._round = None
+            server.push(finish, contribution, round_.loss, self._batch_samples)
+            self.minibatch_times.append(finish.time - finish.started)  # the round's X
+        set_global_step(self.lightning_module.trainer, server.updates * self.local_steps)
+        return loss
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.local_updates:  # the inner optimizer's own (its states per learner: the engine's)
+            return getattr(optimizer, "_optimizer", optimizer).state_dict()
+        return super().optimizer_state(optimizer)
 
     # ---------------------------------------------------------------- data
     @override
@@ -372,7 +443,11 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         # Plain bytes and dicts: loadable with torch.load(weights_only=True).
         # A stopped simulation (saved after fit) cannot go on: only its results are kept.
         engine = None if self._running.core.stopped else pickle.dumps(self.server)
-        return {"core": self._running.core.state_dict(), "engine": engine, "stats": self.stats}
+        saved = {"core": self._running.core.state_dict(), "engine": engine, "stats": self.stats}
+        if self.local_updates:
+            saved["outer_optimizer"] = self._running.state.optimizer.state_dict()
+            saved["round"] = None if self._round is None else pickle.dumps(self._round.finish)
+        return saved
 
     # ---------------------------------------------------------------- internals
     @property
