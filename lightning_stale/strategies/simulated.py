@@ -401,8 +401,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             contribution = round_.contribution(self._learner_view, server.parameters_for(finish))
             server.inner_states[finish.learner] = take_inner_state(optimizer)
             self._finish = self._round = None
+            # (no X for MiniBatchTimer: a round is H mini-batches, and the trace has each draw)
             server.push(finish, contribution, round_.loss, self._batch_samples)
-            self.minibatch_times.append(finish.time - finish.started)  # the round's X
         set_global_step(self.lightning_module.trainer, server.updates * self.local_steps)
         return loss
 

@@ -373,3 +373,46 @@ def test_theory_matches_the_simulated_engine(variant, k, h):
     assert measured == pytest.approx(float(np.mean(clock)), rel=1e-9)
     assert measured == pytest.approx(closed_form_local_update_time(Variant.create(variant, 4, k), delay, h),
                                      rel=0.12)
+
+
+# ---------------------------------------------------------------- the Hydra app
+def test_hydra_config_sets_local_steps_and_the_outer_optimizer():
+    from lightning_stale.config import compose_config
+    from lightning_stale.train import build_strategy
+
+    cfg = compose_config("train", ["race=none", "engine=simulated", "variant=k_async", "variant.k=2",
+                                   "variant.local_steps=4",
+                                   "variant.outer_optimizer={class_path: torch.optim.SGD, "
+                                   "init_args: {lr: 0.7, momentum: 0.9, nesterov: true}}"])
+    strategy = build_strategy(cfg)
+    assert isinstance(strategy, SimulatedStaleStrategy)
+    assert strategy.local_steps == 4 and strategy.local_updates
+    built = strategy._outer([torch.zeros(1, requires_grad=True)])
+    assert isinstance(built, torch.optim.SGD) and built.defaults["nesterov"] is True
+    assert built.defaults["lr"] == 0.7 and built.defaults["momentum"] == 0.9
+    default = build_strategy(compose_config("train", ["race=none", "engine=simulated"]))
+    assert default.local_steps == 1 and not default.local_updates
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["race=none", "engine=simulated", "variant.local_steps=0"], r"local_steps must be an integer >= 1.*got 0"),
+    (["race=none", "engine=simulated", "variant.outer_optimizer=torch.optim.Nope"], "names no torch.optim"),
+    (["race=none", "variant.local_steps=4"], r"local updates run on engine=simulated for now, not engine=server"),
+    (["race=none", "engine=ddp", "variant.outer_optimizer=torch.optim.SGD"], r"not engine=ddp"),
+])
+def test_hydra_config_refuses_bad_local_updates(overrides, message):
+    from lightning_stale.config import ConfigError, compose_config
+
+    with pytest.raises(ConfigError, match=message):
+        compose_config("train", overrides)
+
+
+def test_lightning_cli_sets_local_steps_and_the_outer_optimizer():
+    from test_namespaces import SIMULATED_ARGS, cli
+
+    args = [*SIMULATED_ARGS, "--trainer.strategy.local_steps=4",
+            "--trainer.strategy.outer_optimizer={class_path: torch.optim.SGD, init_args: "
+            "{lr: 0.7, momentum: 0.9, nesterov: true}}"]
+    strategy = cli("pytorch_lightning", args).trainer.strategy
+    assert isinstance(strategy, SimulatedStaleStrategy) and strategy.local_steps == 4
+    assert strategy.outer_optimizer == DILOCO
