@@ -224,6 +224,34 @@ def test_staleness_compensation_on_pseudo_gradients_in_a_fit():
 
 
 # ---------------------------------------------------------------- the variants' rules at the outer level
+@pytest.mark.parametrize("variant,k", [("sync", None), ("k_sync", 2), ("k_batch_sync", 2), ("async", None),
+                                       ("k_async", 2), ("k_batch_async", 2)])
+def test_every_variant_takes_pushes_of_h_inner_steps(variant, k):
+    h = 3
+    torch.manual_seed(0)
+    counter = CountBatches()
+    trainer, strategy = fit(um.WarmupAdamW(), um.BlobData(), variant=variant, k=k, learners=3,
+                            callbacks=[counter], max_steps=6 * h, limit_val_batches=0,
+                            strategy_kwargs={"local_steps": h, "delay": Exponential(1.0)})
+    stats = strategy.stats
+    assert stats["updates"] == 6 and trainer.global_step == 6 * h and books_balance(stats)
+    assert counter.batches == sum(stats["pushes_per_learner"]) * h
+    for learner, n in enumerate(stats["pushes_per_learner"]):
+        assert inner_steps(strategy, learner) == n * h
+    # staleness only where the rules allow it
+    stale = any(s > 0 for s in stats["staleness_histogram"])
+    assert stale == (not Variant.create(variant, 3, k).synchronous)
+
+
+def test_adaptive_k_changes_k_between_outer_updates():
+    torch.manual_seed(0)
+    _, strategy = fit(um.WarmupAdamW(), um.BlobData(), variant="k_sync", k=1, learners=3, max_steps=30,
+                      limit_val_batches=0, strategy_kwargs={"local_steps": 2, "delay": Exponential(1.0),
+                                                            "adaptive_k": {"k0": 1, "interval_s": 3.0}})
+    history = strategy.stats["k_history"]
+    assert len({k for _, k in history}) > 1 and books_balance(strategy.stats)
+
+
 def test_cancellation_under_k_sync_abandons_the_local_steps():
     h = 3
     torch.manual_seed(0)
@@ -365,8 +393,9 @@ def test_theory_matches_the_simulated_engine(variant, k, h):
     delays (the same clock), and close to the closed form."""
     updates, delay = 150, Exponential(1.0, seed=3)
     module = um.Classifier()
-    _, strategy = fit(module, um.BlobData(n=64, batch_size=64), variant=variant, k=k, learners=4,
-                      max_steps=updates * h, strategy_kwargs={"local_steps": h, "delay": delay})
+    _, strategy = fit(module, um.BlobData(n=512, batch_size=8), variant=variant, k=k, learners=4,
+                      max_steps=updates * h, limit_val_batches=0,
+                      strategy_kwargs={"local_steps": h, "delay": delay})
     measured = strategy.stats["mean_update_interval_s"]
     assert strategy.stats["updates"] == updates
     clock = monte_carlo_local_update_times(variant, 4, k, delay, local_steps=h, updates=updates, seed=None)
