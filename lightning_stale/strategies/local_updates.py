@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,10 +34,10 @@ PLAIN_AVERAGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}
 
 def check_local_steps(local_steps: Any) -> int:
     """H as an int; ValueError naming the value for a non-integer or H < 1."""
-    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+    if isinstance(local_steps, bool) or not isinstance(local_steps, numbers.Integral) or local_steps < 1:
         raise ValueError(f"local_steps must be an integer >= 1 (the inner optimizer's steps per "
                          f"push; 1: a push per step), got {local_steps!r}")
-    return local_steps
+    return int(local_steps)
 
 
 def refuse_on_real_engine(local_steps: Any) -> None:

@@ -144,7 +144,7 @@ class Linear(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(40, 3, generator=g)
+        x = torch.randn(48, 3, generator=g)
         return DataLoader(TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5]) + 0.3), batch_size=8)
 
 
@@ -171,6 +171,29 @@ def test_one_learner_averaging_its_local_steps_is_those_steps():
     w, b = sgd_steps(w0, b0, [(x, y) for _, x, y in module.seen], 0.1)
     torch.testing.assert_close(module.layer.weight.detach(), w)
     torch.testing.assert_close(module.layer.bias.detach(), b)
+
+
+def test_each_inner_step_is_clipped_and_accumulated_as_lightning_does():
+    """Gradient clipping applies to every inner step (as on a DDP rank), and an inner step is
+    ``accumulate_grad_batches`` micro-batches: P = 1 is plain clipped SGD on the summed losses."""
+    module = Linear()
+    w0, b0 = module.layer.weight.detach().clone(), module.layer.bias.detach().clone()
+    _, strategy = fit(module, variant="sync", learners=1, max_steps=4, gradient_clip_val=0.05,
+                      accumulate_grad_batches=2, strategy_kwargs={"local_steps": 2})
+    assert strategy.stats["updates"] == 2 and len(module.seen) == 8  # 2 x 2 x 2 micro-batches
+    weight, bias = w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    for i in range(4):
+        loss = sum(F.mse_loss((x @ weight.T + bias).squeeze(-1), y) / 2
+                   for _, x, y in module.seen[2 * i:2 * i + 2])
+        grads = torch.autograd.grad(loss, [weight, bias])
+        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
+        scale = min(1.0, 0.05 / (float(norm) + 1e-6))
+        assert scale < 1.0  # the clip did bite
+        with torch.no_grad():
+            weight -= 0.1 * scale * grads[0]
+            bias -= 0.1 * scale * grads[1]
+    torch.testing.assert_close(module.layer.weight.detach(), weight.detach())
+    torch.testing.assert_close(module.layer.bias.detach(), bias.detach())
 
 
 def test_outer_nesterov_is_diloco_by_hand():
