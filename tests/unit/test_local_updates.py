@@ -337,6 +337,10 @@ def test_checkpoint_inside_a_round_resumes(tmp_path):
     assert books_balance(stats) and stats["updates"] > engine["stats"]["updates"]
     assert trainer.global_step == stats["updates"] * 5
     assert strategy.server.core.state.optimizer.state  # the outer optimizer went on
+    # every learner's AdamW state came back: its step count covers its pushes before the save
+    # too, and the round cut by the save started again from the state before it
+    for learner, n in enumerate(stats["pushes_per_learner"]):
+        assert n > 0 and inner_steps(strategy, learner) == n * 5
 
 
 # ---------------------------------------------------------------- bad input
