@@ -2,7 +2,8 @@
 
 `SimulatedStaleStrategy` runs any of the six variants of Dutta et al., "Slow and Stale Gradients
 Can Win the Race" (AISTATS 2018; docs/method.md) inside an ordinary single-device Lightning fit.
-Every Lightning training step is one simulated gradient push; see `SimulatedServer` for the engine.
+Every Lightning training step is one simulated gradient push (with local updates, one of a
+learner's H inner steps); see `SimulatedServer` for the engine.
 """
 
 from __future__ import annotations
