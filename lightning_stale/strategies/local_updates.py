@@ -11,6 +11,9 @@ momentum 0.9).
 ``outer_optimizer`` takes the form LightningCLI and Hydra both write: a class path and its
 arguments, ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, ...}}`` (or the class
 path alone for its defaults).
+
+`LocalUpdatesMixin` runs the rounds inside `SimulatedStaleStrategy`, one Lightning training step
+per inner step.
 """
 
 from __future__ import annotations
@@ -19,14 +22,19 @@ import copy
 import importlib
 import math
 import numbers
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.engine.state import Contribution, ModelVectors
+from lightning_stale.method.virtual_clock import Finish
+from lightning_stale.strategies.lightning_api import set_global_step
 
 OuterFactory = Callable[[Sequence[Tensor]], Optimizer]
 PLAIN_AVERAGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}
@@ -174,3 +182,76 @@ class LocalRound:
         buffers = current[vectors.numel:] if vectors.buffers else None
         present = None if self.present is None or bool(self.present.all()) else self.present
         return Contribution(pseudo, buffers, present)
+
+
+# ------------------------------------------------------------------ the simulated strategy's rounds
+class LocalUpdatesMixin:
+    """`SimulatedStaleStrategy`'s local updates: the options, the round of the learner computing
+    (``self._round``; None between rounds and without local updates), its push at the round's
+    end, and what a checkpoint keeps of them."""
+
+    _finish: Finish | None  # the strategy's: the learner computing the push in progress
+
+    def _init_local_updates(self, local_steps: Any, outer_optimizer: Any, event_log: bool) -> None:
+        """Check the options; ``event_log``: record_events or replay was given (refused with them)."""
+        self.local_steps, self.outer_optimizer = check_local_steps(local_steps), outer_optimizer
+        self._outer = outer_optimizer_factory(outer_optimizer)
+        self.local_updates = self.local_steps > 1 or self._outer is not None
+        if self.local_updates and event_log:
+            raise ValueError("record_events and replay cannot go with local updates (local_steps > 1 "
+                             "or an outer_optimizer): an event log holds one mini-batch per push")
+        self._round: LocalRound | None = None  # the local steps in progress
+
+    def _outer_factory(self) -> OuterFactory | None:
+        """The server's outer optimizer for this fit; None: the pushes are gradients."""
+        return (self._outer or plain_averaging()) if self.local_updates else None
+
+    def _restored_round(self, restored: dict, state: Any) -> Finish | None:
+        """Load the outer optimizer's state from a checkpoint's ``restored`` simulation into
+        ``state``; returns the learner whose round was in progress (it starts again), if any."""
+        if restored.get("outer_optimizer") is not None:
+            state.optimizer.load_state_dict(restored["outer_optimizer"])
+        saved = restored.get("round")  # saved within a round
+        return None if saved is None else pickle.loads(saved)
+
+    def _start_round(self, finish: Finish, server: SimulatedServer) -> None:
+        if self.local_updates:
+            self._round = LocalRound(finish, self.local_steps, self.optimizers[0],
+                                     server.inner_states.get(finish.learner))
+
+    def _pause_round(self) -> None:
+        if self._round is not None and self._round.paused is None:
+            self._round.paused = self._learner_view.state_vector()  # restored when training goes on
+
+    def _resume_round(self) -> None:
+        if self._round is not None and self._round.paused is not None:
+            self._learner_view.load_state(self._round.paused)  # validation ran within the round
+            self._round.paused = None
+
+    def _local_step(self, server: SimulatedServer, round_: LocalRound, model: Any,
+                    optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
+        """One inner step of the learner's round; its last one pushes the pseudo-gradient. A
+        skipped training_step is not a step: the learner goes on with the next batch."""
+        loss, overflow = self.compute_gradient(model, optimizer, closure)
+        if loss is not None and round_.step(optimizer, self._learner_view.params, float(loss), overflow):
+            finish = round_.finish
+            contribution = round_.contribution(self._learner_view, server.parameters_for(finish))
+            server.inner_states[finish.learner] = take_inner_state(optimizer)
+            self._finish = self._round = None
+            # (no X for MiniBatchTimer: a round is H mini-batches, and the trace has each draw)
+            server.push(finish, contribution, round_.loss, self._batch_samples)
+        set_global_step(self.lightning_module.trainer, server.updates * self.local_steps)
+        return loss
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.local_updates:  # the inner optimizer's own (its states per learner: the engine's)
+            return getattr(optimizer, "_optimizer", optimizer).state_dict()
+        return super().optimizer_state(optimizer)
+
+    def _local_checkpoint(self) -> dict:
+        """What `_engine_checkpoint` adds for local updates (nothing without them)."""
+        if not self.local_updates:
+            return {}
+        return {"outer_optimizer": self._running.state.optimizer.state_dict(),
+                "round": None if self._round is None else pickle.dumps(self._round.finish)}

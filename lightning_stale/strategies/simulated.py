@@ -3,7 +3,9 @@
 `SimulatedStaleStrategy` runs any of the six variants of Dutta et al., "Slow and Stale Gradients
 Can Win the Race" (AISTATS 2018; docs/method.md) inside an ordinary single-device Lightning fit.
 Every Lightning training step is one simulated gradient push (with local updates, one of a
-learner's H inner steps); see `SimulatedServer` for the engine.
+learner's H inner steps); see `SimulatedServer` for the engine. Local updates' rounds
+(`strategies.local_updates.LocalUpdatesMixin`) and the event log's recording and replay
+(`strategies.event_log.EventLogMixin`) are mixed in from their own modules.
 """
 
 from __future__ import annotations
@@ -32,30 +34,15 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
-from lightning_stale.replay.events import batch_digest, seed_for
-from lightning_stale.replay.recorder import EventRecorder
-from lightning_stale.replay.replayer import ReplayServer
-from lightning_stale.replay.setup import (
-    check_events_options,
-    combined_digest,
-    events_path,
-    replay_log,
-    start_recording,
-    start_replay,
-)
+from lightning_stale.replay.setup import replay_log
 from lightning_stale.strategies.base import ServerStrategyMixin
+from lightning_stale.strategies.event_log import EventLogMixin
 from lightning_stale.strategies.lightning_api import set_global_step, set_root_device, with_sampler
-from lightning_stale.strategies.local_updates import (
-    LocalRound,
-    check_local_steps,
-    outer_optimizer_factory,
-    plain_averaging,
-    take_inner_state,
-)
+from lightning_stale.strategies.local_updates import LocalUpdatesMixin
 from lightning_stale.strategies.namespaces import register_everywhere
 
 
-class SimulatedStaleStrategy(ServerStrategyMixin):
+class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMixin):
     """Distributed SGD with P simulated learners and a parameter server, in one process.
 
     A discrete-event clock (`lightning_stale.method.virtual_clock.VirtualCluster`) decides which learner
@@ -157,10 +144,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             k, compute_time = header["k"] if Variant.k_applies_to(variant) else None, header["compute_time"]
         variant = "k_async" if variant is None else variant
         num_learners = 4 if num_learners is None else num_learners
-        check_events_options(record_events, digest_every)
-        self.record_events, self.digest_every = record_events, digest_every
-        self.replay_report: dict | None = None
-        self._recorder: EventRecorder | None = None
+        self._init_event_log(record_events, digest_every)
         delay = NoDelay() if delay is None else delay
         self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
                                   record_trace, seed)
@@ -171,13 +155,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             raise ValueError(f"compute_time must be a finite number >= 0, got {compute_time!r}")
         self.num_learners, self.compute_time = num_learners, compute_time
         self.settle_variant(num_learners)  # P is known: every option is checked now
-        self.local_steps, self.outer_optimizer = check_local_steps(local_steps), outer_optimizer
-        self._outer = outer_optimizer_factory(outer_optimizer)
-        self.local_updates = self.local_steps > 1 or self._outer is not None
-        if self.local_updates and (record_events or replay is not None):
-            raise ValueError("record_events and replay cannot go with local updates (local_steps > 1 "
-                             "or an outer_optimizer): an event log holds one mini-batch per push")
-        self._round: LocalRound | None = None  # the local steps in progress
+        self._init_local_updates(local_steps, outer_optimizer, bool(record_events) or replay is not None)
         self.trace_recorder: TraceRecorder | None = None
         self.server: SimulatedServer | None = None
         self._retry: Finish | None = None  # a learner whose training_step was skipped
@@ -185,8 +163,6 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._batch_samples = 0
         self._epoch = 0
         self._loaders_made = 0
-        self._draws = 0  # training batches handed to this fit so far
-        self._push_draw: dict = {}  # what the push in progress drew
         self.minibatch_times: list[float] = []  # each push's virtual X (MiniBatchTimer reads it)
 
     @property
@@ -229,22 +205,15 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         module = self.lightning_module
         # Buffers travel with the parameters, as in the real engine: a simulated learner computes
         # with the buffers of the version it pulled, and the server combines the pushed ones.
-        outer = (self._outer or plain_averaging()) if self.local_updates else None
         state = ServerState(module, self.optimizers[0], self._schedulers, clip=self._clip,
-                            outer=outer, steps_per_update=self.local_steps)
+                            outer=self._outer_factory(), steps_per_update=self.local_steps)
         self._learner_view = ModelVectors.of(module)
         self._final_stats = None
         self._retry = self._finish = self._round = None
         self._epoch = module.trainer.current_epoch
         self.settle_variant(self.num_learners)  # a fresh AdaSync schedule for this fit
         restored, self._resume = self._resume, None
-        self._recorder, self._draws = None, 0
-        if self._replay_log is not None:
-            if restored is not None:
-                raise ValueError("a replay starts from the recorded run's start: fit it without ckpt_path")
-            replaying = start_replay(self._replay_log, module, self.optimizers[0], state,
-                                     self.variant, self.staleness_compensation)
-            self.server, self._recorder = replaying, replaying.recorder
+        if self._start_replay(module, state, restored):
             return
         if restored is not None and restored.get("engine") is not None:
             if self.record_events:
@@ -252,10 +221,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self.server = pickle.loads(restored["engine"])
             self.server.attach(state)
             self._adaptive = self.server.core.adaptive
-            if restored.get("outer_optimizer") is not None:
-                state.optimizer.load_state_dict(restored["outer_optimizer"])
-            if restored.get("round") is not None:  # saved within a round: it starts again
-                self._retry = pickle.loads(restored["round"])
+            self._retry = self._restored_round(restored, state)  # a round in progress starts again
             return
         delay = self.delay
         if hasattr(delay, "reset"):
@@ -267,9 +233,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self.server = SimulatedServer(state, self.variant, delay, self.compute_time,
                                       self._adaptive, self.staleness_compensation,
                                       local_steps=self.local_steps)
-        if self.record_events:
-            self._recorder = start_recording(self, module, events_path(self.record_events, module.trainer))
-            self.server.core.observer = self._recorder
+        self._start_recording(module)
         if restored is not None:
             rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "
                            "cannot continue: a new one starts from its parameters")
@@ -283,46 +247,27 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             # A strategy has no epoch-end hook: the epoch that ended is handled here.
             self._end_epoch()
             self._epoch = trainer.current_epoch
-        if self._round is not None and self._round.paused is not None:
-            self._learner_view.load_state(self._round.paused)  # validation ran within the round
-            self._round.paused = None
+        self._resume_round()
+        starting = None
         if self.server is not None and self._finish is None:
             # The first micro-batch of a push: the next learner to finish computes it on the
             # parameters it holds (a learner whose step was skipped tries again).
-            self._finish = self._retry or self.server.next_finish()
+            self._finish = starting = self._retry or self.server.next_finish()
             self._retry = None
             self._learner_view.load_state(self.server.parameters_for(self._finish))
             self._batch_samples = 0
-            if self.local_updates:
-                learner = self._finish.learner
-                self._round = LocalRound(self._finish, self.local_steps, self.optimizers[0],
-                                         self.server.inner_states.get(learner))
-            if self._recorder is not None:
-                self._push_draw = {"draw": self._draws, "batches": 0, "batch": [],
-                                   "rng": self._push_seed(self._finish)}
-                torch.manual_seed(self._push_draw["rng"])  # dropout drawn again in a replay
-        if self._recorder is not None:
-            self._push_draw["batches"] += 1
-            self._push_draw["batch"].append(batch_digest(batch))
-        self._draws += 1
+            self._start_round(self._finish, self.server)
+        self._note_batch(batch, starting)  # the event log's (its seed set for a new push)
         self._batch_samples += _batch_size(batch)
-
-    def _push_seed(self, finish: Finish) -> int:
-        server = self._running
-        if isinstance(server, ReplayServer):
-            return server.current_push()["rng"]
-        return seed_for(self.seed, finish.learner, server.rules.counts.pushes_per_learner[finish.learner])
 
     def _end_epoch(self) -> None:
         metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()}
         self._running.end_epoch(metrics)
-        if self._recorder is not None:
-            self._recorder.validation(self._running.core.epoch, metrics)
+        self._record_validation(metrics)
 
     @override
     def enter_validation(self) -> None:
-        if self._round is not None and self._round.paused is None:
-            self._round.paused = self._learner_view.state_vector()  # restored when training goes on
+        self._pause_round()
         self._load_server_parameters()
 
     @override
@@ -342,12 +287,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._final_stats = self.server.stats()
         if self.trace_recorder is not None:
             self.write_trace(self.trace_recorder)
-        if self._recorder is not None:
-            self._recorder.finish(self.server.core)
-            if self._replay_log is not None:
-                self.replay_report = self.server.finish()
-            else:
-                self._final_stats["events_path"] = self._recorder.path
+        self._finish_event_log()
 
     @override
     def teardown(self) -> None:
@@ -355,11 +295,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._resume = None
         if self.server is not None and self._final_stats is None:
             self._final_stats = self.server.stats()  # fit interrupted before on_train_end
-        if self._recorder is not None:
-            self._recorder.close()  # no stop line: the log reads as truncated
-            stats = self._final_stats
-            if self._replay_log is None and stats is not None and "events_path" not in stats:
-                stats["events_path"] = self._recorder.path
+        self._close_event_log()
         super().teardown()
 
     # ---------------------------------------------------------------- one push per step
@@ -383,35 +319,12 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._retry = finish
         else:
             contribution = None if overflow else self._learner_view.split_push(*self._learner_view.push_vector())
-            if self._recorder is not None:
-                self._recorder.next_push(**{**self._push_draw,
-                                            "batch": combined_digest(self._push_draw["batch"])})
+            self._record_push()
             server.push(finish, contribution, float(loss), self._batch_samples,
                         unusable="overflow" if overflow else None)
             self.minibatch_times.append(finish.time - finish.started)  # X, for MiniBatchTimer
         set_global_step(self.lightning_module.trainer, server.updates)
         return loss
-
-    def _local_step(self, server: SimulatedServer, round_: LocalRound, model: Any,
-                    optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
-        """One inner step of the learner's round; its last one pushes the pseudo-gradient. A
-        skipped training_step is not a step: the learner goes on with the next batch."""
-        loss, overflow = self.compute_gradient(model, optimizer, closure)
-        if loss is not None and round_.step(optimizer, self._learner_view.params, float(loss), overflow):
-            finish = round_.finish
-            contribution = round_.contribution(self._learner_view, server.parameters_for(finish))
-            server.inner_states[finish.learner] = take_inner_state(optimizer)
-            self._finish = self._round = None
-            # (no X for MiniBatchTimer: a round is H mini-batches, and the trace has each draw)
-            server.push(finish, contribution, round_.loss, self._batch_samples)
-        set_global_step(self.lightning_module.trainer, server.updates * self.local_steps)
-        return loss
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.local_updates:  # the inner optimizer's own (its states per learner: the engine's)
-            return getattr(optimizer, "_optimizer", optimizer).state_dict()
-        return super().optimizer_state(optimizer)
 
     # ---------------------------------------------------------------- data
     @override
@@ -444,11 +357,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         # Plain bytes and dicts: loadable with torch.load(weights_only=True).
         # A stopped simulation (saved after fit) cannot go on: only its results are kept.
         engine = None if self._running.core.stopped else pickle.dumps(self.server)
-        saved = {"core": self._running.core.state_dict(), "engine": engine, "stats": self.stats}
-        if self.local_updates:
-            saved["outer_optimizer"] = self._running.state.optimizer.state_dict()
-            saved["round"] = None if self._round is None else pickle.dumps(self._round.finish)
-        return saved
+        return {"core": self._running.core.state_dict(), "engine": engine, "stats": self.stats,
+                **self._local_checkpoint()}
 
     # ---------------------------------------------------------------- internals
     @property
