@@ -127,6 +127,7 @@ def _validate_run(cfg: DictConfig) -> int | None:
             f"{', '.join(name for name in VARIANT_NAMES if name != 'sync')}")
 
     strategy_class(cfg)
+    _check_local_updates(cfg, engine)
     if engine == "server":
         _check_server_path(cfg, variant)
     learners = learner_count(cfg)
@@ -144,6 +145,24 @@ def _validate_run(cfg: DictConfig) -> int | None:
         if not is_no_delay(cfg.get("delay")):
             _check_delay_learners(cfg.delay, learners)
     return learners
+
+
+def _check_local_updates(cfg: DictConfig, engine: str) -> None:
+    """``variant.local_steps`` and ``variant.outer_optimizer`` (docs/how-to/local-updates.md):
+    checked as the strategy checks them, and refused on the engines that do not take them yet."""
+    from lightning_stale.strategies.local_updates import check_local_steps, outer_optimizer_factory
+
+    local_steps, outer = cfg.variant.get("local_steps", 1), cfg.variant.get("outer_optimizer")
+    try:
+        check_local_steps(local_steps)
+        outer_optimizer_factory(outer)
+    except ValueError as error:
+        raise ConfigError(f"variant.local_steps / variant.outer_optimizer: {error}") from None
+    if engine != "simulated" and (local_steps != 1 or outer is not None):
+        raise ConfigError(f"variant.local_steps={local_steps} with variant.outer_optimizer="
+                          f"{'null' if outer is None else 'set'}: local updates run on "
+                          f"engine=simulated for now, not engine={engine}; use engine=simulated, "
+                          "or variant.local_steps=1 and variant.outer_optimizer=null")
 
 
 def _check_server_path(cfg: DictConfig, variant: str) -> None:

@@ -5,6 +5,8 @@ Intervals mean what Lightning's config says, counted in server updates: ``interv
 every ``frequency`` updates, ``"epoch"`` when an epoch's end is over (after its validation, as
 Lightning steps them), a ``ReduceLROnPlateau`` with the value of its ``monitor`` among the
 logged metrics (per update: the latest values reported; per epoch: those of the validation).
+With local updates (H inner steps per push) a server update counts as H steps, as
+``trainer.global_step`` does (docs/how-to/local-updates.md).
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ class Schedules:
 
     Attributes:
         metrics: the latest logged values, for plateau schedulers stepped per update.
+        steps_per_update: the steps an update counts for (H with local updates, else 1).
     """
 
+    steps_per_update = 1
+
     def __init__(self, configs: Sequence[Any], learner_optimizer: Optimizer,
-                 stepped: Optimizer | None = None) -> None:
+                 stepped: Optimizer | None = None, steps_per_update: int = 1) -> None:
         self.configs = list(configs)
+        self.steps_per_update = steps_per_update
         self.learner_optimizer = learner_optimizer
         self.stepped = learner_optimizer if stepped is None else stepped
         self.metrics: dict[str, float] = {}
@@ -55,9 +61,12 @@ class Schedules:
         return any(c.reduce_on_plateau and c.interval == "step" for c in self.configs)
 
     def after_update(self, update_index: int) -> None:
-        for config in self.configs:
-            if config.interval == "step" and update_index % config.frequency == 0:
-                _step(config, self.metrics)
+        """Update ``update_index`` (from 1) was applied: step what its steps make due."""
+        h = self.steps_per_update
+        for step in range((update_index - 1) * h + 1, update_index * h + 1):
+            for config in self.configs:
+                if config.interval == "step" and step % config.frequency == 0:
+                    _step(config, self.metrics)
         self.sync_options()
 
     def end_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:

@@ -6,6 +6,12 @@ computes that learner's gradient on the parameters it last pulled (`parameters_f
 it to `push`; the core decides and applies exactly as in the real engine. Work that the real
 engine would cancel never finishes on the virtual clock, so it is never computed: a simulated
 run costs one gradient per push.
+
+Local updates (``local_steps`` = H > 1 or an outer optimizer, docs/how-to/local-updates.md): a
+push takes the sum of H mini-batch draws on the clock, the caller computes the H inner steps and
+pushes the pseudo-gradient, and ``inner_states`` keeps each learner's inner optimizer state
+between its pushes (a cancelled learner's abandoned steps are never computed, so its state is
+the one of its last push).
 """
 
 from __future__ import annotations
@@ -31,15 +37,18 @@ class SimulatedServer:
         adaptive: `AdaptiveK` schedule, or None for a fixed K.
         compensation: `StalenessCompensation`, or None.
         limits: the core's limits; epochs are ended by the caller (`end_epoch`).
+        local_steps: H, the mini-batches of one push (1: a push per mini-batch).
     """
 
     def __init__(self, state: ServerState, variant: Variant, delay, compute_time: float = 0.0,
                  adaptive: AdaptiveK | None = None,
                  compensation: StalenessCompensation | None = None,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, local_steps: int = 1) -> None:
         # Every learner computes at its own version: the core keeps those parameters.
         self.core = ServerCore(variant, state, limits, adaptive, compensation, keep_snapshots=True)
-        self.cluster = VirtualCluster(self.core.rules, delay, compute_time)
+        self.cluster = VirtualCluster(self.core.rules, delay, compute_time, local_steps)
+        # learner -> its inner optimizer's per-parameter state (local updates only)
+        self.inner_states: dict[int, list] = {}
 
     @property
     def state(self) -> ServerState:
@@ -95,12 +104,13 @@ class SimulatedServer:
         core = self.core.__dict__.copy()
         core["state"], core["_records"] = None, []
         core["observer"] = None  # an event log is written by its own fit only
-        return {"core": core, "cluster": self.cluster}
+        return {"core": core, "cluster": self.cluster, "inner_states": self.inner_states}
 
     def __setstate__(self, saved: dict) -> None:
         self.core = ServerCore.__new__(ServerCore)
         self.core.__dict__.update(saved["core"])
         self.cluster = saved["cluster"]
+        self.inner_states = saved.get("inner_states", {})
         self.cluster.rules = self.core.rules
 
     def attach(self, state: ServerState) -> None:

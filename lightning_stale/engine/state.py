@@ -234,11 +234,18 @@ class ServerState:
             DDP applies it to its averaged gradient), or None.
         tensors: indices of the trainable parameters this state holds (a shard of the server,
             `paths.sharded.owner`); None: all of them.
+        outer: with local updates, builds the outer optimizer over the server's parameters
+            (`strategies.local_updates`): the contributions are pseudo-gradients, the server steps
+            it, and ``optimizer`` is the learners' inner one, whose schedulers the server steps
+            ``steps_per_update`` times per update. None: the server steps a copy of ``optimizer``.
+        steps_per_update: with ``outer``, the inner steps one update counts for (H).
     """
 
     def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),
                  buffers: bool = True, clip: Callable[[Optimizer], None] | None = None,
-                 tensors: Sequence[int] | None = None) -> None:
+                 tensors: Sequence[int] | None = None,
+                 outer: Callable[[Sequence[Tensor]], Optimizer] | None = None,
+                 steps_per_update: int = 1) -> None:
         learner = ModelVectors.of(module, buffers)
         owned = learner.params if tensors is None else [learner.params[i] for i in tensors]
         self.params = [p.detach().clone().requires_grad_(True) for p in owned]
@@ -250,11 +257,16 @@ class ServerState:
             raise ValueError(f"the optimizer holds {len(foreign)} trainable tensor(s) that are not "
                              "parameters of the LightningModule; learners push the module's "
                              "gradients only: register them as module parameters (nn.Parameter)")
-        self.optimizer = clone_optimizer(optimizer, {id(lp): sp for lp, sp in zip(owned, self.params)},
-                                         only_mapped=tensors is not None)
+        if outer is not None:
+            # The inner optimizer's schedules are its own: not copied into the outer optimizer.
+            self.optimizer = outer(self.params)
+            self.schedules = Schedules(schedulers, optimizer, steps_per_update=steps_per_update)
+        else:
+            self.optimizer = clone_optimizer(optimizer, {id(lp): sp for lp, sp in zip(owned, self.params)},
+                                             only_mapped=tensors is not None)
+            self.schedules = Schedules(schedulers, optimizer, stepped=self.optimizer)
         self._sparse = isinstance(self.optimizer, torch.optim.SparseAdam)
         self.clip = clip
-        self.schedules = Schedules(schedulers, optimizer, stepped=self.optimizer)
         self.vectors = ModelVectors(self.params, self.buffers)
         self._snapshot: tuple[int, dict[torch.device, Tensor]] | None = None  # version, per device
 

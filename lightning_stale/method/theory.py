@@ -105,12 +105,13 @@ def _reseeded_copy(delay, seed: int | None):
     return delay
 
 
-def _update_times(variant: Variant, delay, updates: int, seed: int | None) -> np.ndarray:
+def _update_times(variant: Variant, delay, updates: int, seed: int | None,
+                  local_steps: int = 1) -> np.ndarray:
     if isinstance(updates, bool) or int(updates) != updates or updates < 1:
         raise ValueError(f"updates must be an integer >= 1, got {updates!r}")
     if hasattr(delay, "check_learners"):
         delay.check_learners(variant.p)
-    cluster = VirtualCluster(ServerRules(variant), _reseeded_copy(delay, seed))
+    cluster = VirtualCluster(ServerRules(variant), _reseeded_copy(delay, seed), local_steps=local_steps)
     times: list[float] = []
     step = cluster.step  # the loop is the hot path: 20k updates are 20k-80k pushes
     while len(times) < updates:

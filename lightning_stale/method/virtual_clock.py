@@ -2,9 +2,11 @@
 
 Each learner's mini-batch takes a random time X (drawn from a straggler model); the learner that
 finishes first pushes, the rules decide, and the learners they refresh or resume start their
-next mini-batch at that instant. Cancelled work simply never finishes. There are no tensors
-here: the theory's Monte Carlo estimate of E[T] runs this clock alone, and the simulated strategy
-computes a gradient only when a learner's push is popped.
+next mini-batch at that instant. Cancelled work simply never finishes. With local updates a push
+follows ``local_steps`` = H mini-batches, so its time is the sum of H draws
+(docs/how-to/local-updates.md). There are no tensors here: the theory's Monte Carlo estimate of
+E[T] runs this clock alone, and the simulated strategy computes a gradient only when a learner's
+push is popped.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from lightning_stale.method.rules import Decision, ServerRules
 
 @dataclass(frozen=True)
 class Finish:
-    """Learner ``learner`` finishes a mini-batch computed at ``version`` at virtual ``time``; it
-    started at ``started``, so its time X is ``time - started``."""
+    """Learner ``learner`` finishes a mini-batch (with local updates: its H mini-batches) computed
+    from ``version`` at virtual ``time``; it started at ``started``, so its time X is
+    ``time - started``."""
 
     time: float
     learner: int
@@ -33,10 +36,15 @@ class VirtualCluster:
         rules: the decision object (its variant fixes P).
         delay: any object with ``sample(learner) -> seconds`` (a `lightning_stale.delays` model).
         compute_time: virtual seconds added to every mini-batch on top of the delay.
+        local_steps: H, the mini-batches of one push: its time is the sum of H draws.
     """
 
-    def __init__(self, rules: ServerRules, delay, compute_time: float = 0.0) -> None:
+    local_steps = 1  # (clusters pickled before local updates existed)
+
+    def __init__(self, rules: ServerRules, delay, compute_time: float = 0.0,
+                 local_steps: int = 1) -> None:
         self.rules = rules
+        self.local_steps = local_steps
         self.delay = delay
         self.compute_time = compute_time
         self.now = 0.0
@@ -50,6 +58,8 @@ class VirtualCluster:
         # A new generation invalidates whatever the learner was computing before (cancellation).
         self._generation[learner] += 1
         finish = self.now + self.compute_time + self.delay.sample(learner)
+        for _ in range(self.local_steps - 1):
+            finish += self.compute_time + self.delay.sample(learner)
         heapq.heappush(self._heap, (finish, self._seq, learner, self._generation[learner], self.now))
         self._seq += 1
 

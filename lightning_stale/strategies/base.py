@@ -61,6 +61,7 @@ class ServerStrategyMixin:
 
     strategy_name = "stale"
     virtual_clock = False
+    local_steps = 1  # H: inner steps per push (docs/how-to/local-updates.md)
     lightning_namespace: str | None = None  # set on the concrete classes
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -163,7 +164,8 @@ class ServerStrategyMixin:
         steps under DDP: ``max_epochs`` x the updates an epoch of ``pushes_per_epoch`` pushes
         makes, pushes / K, or ``max_steps`` if that comes first (the updates per epoch are
         exact where every push is applied; an upper bound for the sync family, which drops a
-        few stale pushes, and for AdaSync). With no ``max_epochs`` it is ``max_steps``."""
+        few stale pushes, and for AdaSync). With no ``max_epochs`` it is ``max_steps``. With
+        local updates an update counts as ``local_steps`` steps, as ``global_step`` does."""
         epoch_loop = trainer.fit_loop.epoch_loop
         max_steps = epoch_loop.max_steps
         assert self.variant is not None, "settled for this fit"
@@ -171,7 +173,7 @@ class ServerStrategyMixin:
         if trainer.max_epochs in (None, -1):
             yield
             return
-        updates = self.updates_per_epoch * max(1, trainer.max_epochs)
+        updates = self.updates_per_epoch * self.local_steps * max(1, trainer.max_epochs)
         if max_steps != -1:
             updates = min(updates, max_steps)
         epoch_loop.max_steps = updates  # what Lightning's estimate returns for an endless loader

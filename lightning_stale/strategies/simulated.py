@@ -2,7 +2,10 @@
 
 `SimulatedStaleStrategy` runs any of the six variants of Dutta et al., "Slow and Stale Gradients
 Can Win the Race" (AISTATS 2018; docs/method.md) inside an ordinary single-device Lightning fit.
-Every Lightning training step is one simulated gradient push; see `SimulatedServer` for the engine.
+Every Lightning training step is one simulated gradient push (with local updates, one of a
+learner's H inner steps); see `SimulatedServer` for the engine. Local updates' rounds
+(`strategies.local_updates.LocalUpdatesMixin`) and the event log's recording and replay
+(`strategies.event_log.EventLogMixin`) are mixed in from their own modules.
 """
 
 from __future__ import annotations
@@ -31,23 +34,15 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
-from lightning_stale.replay.events import batch_digest, seed_for
-from lightning_stale.replay.recorder import EventRecorder
-from lightning_stale.replay.replayer import ReplayServer
-from lightning_stale.replay.setup import (
-    check_events_options,
-    combined_digest,
-    events_path,
-    replay_log,
-    start_recording,
-    start_replay,
-)
+from lightning_stale.replay.setup import replay_log
 from lightning_stale.strategies.base import ServerStrategyMixin
+from lightning_stale.strategies.event_log import EventLogMixin
 from lightning_stale.strategies.lightning_api import set_global_step, set_root_device, with_sampler
+from lightning_stale.strategies.local_updates import LocalUpdatesMixin
 from lightning_stale.strategies.namespaces import register_everywhere
 
 
-class SimulatedStaleStrategy(ServerStrategyMixin):
+class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMixin):
     """Distributed SGD with P simulated learners and a parameter server, in one process.
 
     A discrete-event clock (`lightning_stale.method.virtual_clock.VirtualCluster`) decides which learner
@@ -91,6 +86,14 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             on its recorded mini-batch with its recorded seed. Run it with the recorded run's
             module, data and Trainer limits; afterwards ``replay_report`` says where the
             replay and the log differ (`lightning_stale.replay.replayer`).
+        local_steps: H, local updates (docs/how-to/local-updates.md): each learner takes H steps
+            of the module's optimizer (its own state per learner) from the parameters it pulled,
+            then pushes the pseudo-gradient, pulled minus current parameters; its virtual time
+            is the sum of H draws. 1 (the default): a push per step, the paper's method.
+        outer_optimizer: how the server applies an update's averaged pseudo-gradients: None for
+            plain averaging (SGD, lr 1, no momentum), or a class path and its arguments,
+            ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9,
+            "nesterov": True}}`` (DiLoCo). Given, it makes local updates even with H = 1.
 
     During fit: ``trainer.global_step`` is the number of server updates (so ``max_steps`` counts
     them, and ``estimated_stepping_batches`` estimates them); a push is one optimizer step
@@ -107,6 +110,12 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
     parameters, ``trace_recorder`` holds the recorded delays, ``stats["events_path"]`` names the
     event log (``record_events``) and ``replay_report`` is the replay's report (``replay``).
 
+    With local updates, one Lightning training step is one inner step of a learner, and
+    ``trainer.global_step`` is H x the server updates: ``max_steps``, ``estimated_stepping_batches``
+    and the step-interval LR schedulers (of the inner optimizer, H steps per update) count inner
+    steps, as under DDP with model averaging; gradient clipping applies to each inner step; an
+    epoch is one pass worth of inner steps. Event logs and replays are not available with them.
+
     Not supported (clear errors at setup): manual optimization, more than one optimizer.
     """
 
@@ -122,7 +131,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
                  seed: int = 0, record_trace: bool | str | os.PathLike | None = None,
                  device: str | torch.device | None = None,
                  record_events: bool | str | os.PathLike = False, digest_every: int = 1,
-                 replay: str | os.PathLike | None = None, **kwargs: Any) -> None:
+                 replay: str | os.PathLike | None = None, local_steps: int = 1,
+                 outer_optimizer: str | dict | None = None, **kwargs: Any) -> None:
         # (the Lightning base is joined at import, `strategies.namespaces`: not visible here)
         super().__init__(device="cpu" if device is None else device, **kwargs)  # type: ignore[call-arg]
         self._device_given = device is not None
@@ -134,10 +144,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             k, compute_time = header["k"] if Variant.k_applies_to(variant) else None, header["compute_time"]
         variant = "k_async" if variant is None else variant
         num_learners = 4 if num_learners is None else num_learners
-        check_events_options(record_events, digest_every)
-        self.record_events, self.digest_every = record_events, digest_every
-        self.replay_report: dict | None = None
-        self._recorder: EventRecorder | None = None
+        self._init_event_log(record_events, digest_every)
         delay = NoDelay() if delay is None else delay
         self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation,
                                   record_trace, seed)
@@ -148,6 +155,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             raise ValueError(f"compute_time must be a finite number >= 0, got {compute_time!r}")
         self.num_learners, self.compute_time = num_learners, compute_time
         self.settle_variant(num_learners)  # P is known: every option is checked now
+        self._init_local_updates(local_steps, outer_optimizer, bool(record_events) or replay is not None)
         self.trace_recorder: TraceRecorder | None = None
         self.server: SimulatedServer | None = None
         self._retry: Finish | None = None  # a learner whose training_step was skipped
@@ -155,8 +163,6 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._batch_samples = 0
         self._epoch = 0
         self._loaders_made = 0
-        self._draws = 0  # training batches handed to this fit so far
-        self._push_draw: dict = {}  # what the push in progress drew
         self.minibatch_times: list[float] = []  # each push's virtual X (MiniBatchTimer reads it)
 
     @property
@@ -183,12 +189,13 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             super().setup(trainer)
             return
         trainer.fit_loop.setup_data()  # before configure_optimizers: estimated_stepping_batches
-        pushes = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+        pushes = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches / self.local_steps)
         with self.counting_updates(trainer, pushes):
             super().setup(trainer)
         self.check_trainer(trainer, [])
         self._schedulers = self.take_over_schedulers(trainer)
-        self._clip = self.take_over_clipping(trainer)
+        # (with local updates each learner clips its inner steps' gradients, as a DDP rank does)
+        self._clip = None if self.local_updates else self.take_over_clipping(trainer)
         self.validate_on_server_state(trainer)
         self.show_progress(trainer)
 
@@ -198,20 +205,15 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         module = self.lightning_module
         # Buffers travel with the parameters, as in the real engine: a simulated learner computes
         # with the buffers of the version it pulled, and the server combines the pushed ones.
-        state = ServerState(module, self.optimizers[0], self._schedulers, clip=self._clip)
+        state = ServerState(module, self.optimizers[0], self._schedulers, clip=self._clip,
+                            outer=self._outer_factory(), steps_per_update=self.local_steps)
         self._learner_view = ModelVectors.of(module)
         self._final_stats = None
-        self._retry = self._finish = None
+        self._retry = self._finish = self._round = None
         self._epoch = module.trainer.current_epoch
         self.settle_variant(self.num_learners)  # a fresh AdaSync schedule for this fit
         restored, self._resume = self._resume, None
-        self._recorder, self._draws = None, 0
-        if self._replay_log is not None:
-            if restored is not None:
-                raise ValueError("a replay starts from the recorded run's start: fit it without ckpt_path")
-            replaying = start_replay(self._replay_log, module, self.optimizers[0], state,
-                                     self.variant, self.staleness_compensation)
-            self.server, self._recorder = replaying, replaying.recorder
+        if self._start_replay(module, state, restored):
             return
         if restored is not None and restored.get("engine") is not None:
             if self.record_events:
@@ -219,6 +221,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self.server = pickle.loads(restored["engine"])
             self.server.attach(state)
             self._adaptive = self.server.core.adaptive
+            self._retry = self._restored_round(restored, state)  # a round in progress starts again
             return
         delay = self.delay
         if hasattr(delay, "reset"):
@@ -228,10 +231,9 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             delay = RecordingDelay(delay, self.trace_recorder)
         assert self.variant is not None, "settled for this fit"
         self.server = SimulatedServer(state, self.variant, delay, self.compute_time,
-                                      self._adaptive, self.staleness_compensation)
-        if self.record_events:
-            self._recorder = start_recording(self, module, events_path(self.record_events, module.trainer))
-            self.server.core.observer = self._recorder
+                                      self._adaptive, self.staleness_compensation,
+                                      local_steps=self.local_steps)
+        self._start_recording(module)
         if restored is not None:
             rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "
                            "cannot continue: a new one starts from its parameters")
@@ -245,37 +247,27 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             # A strategy has no epoch-end hook: the epoch that ended is handled here.
             self._end_epoch()
             self._epoch = trainer.current_epoch
+        self._resume_round()
+        starting = None
         if self.server is not None and self._finish is None:
             # The first micro-batch of a push: the next learner to finish computes it on the
             # parameters it holds (a learner whose step was skipped tries again).
-            self._finish = self._retry or self.server.next_finish()
+            self._finish = starting = self._retry or self.server.next_finish()
             self._retry = None
             self._learner_view.load_state(self.server.parameters_for(self._finish))
             self._batch_samples = 0
-            if self._recorder is not None:
-                self._push_draw = {"draw": self._draws, "batches": 0, "batch": [],
-                                   "rng": self._push_seed(self._finish)}
-                torch.manual_seed(self._push_draw["rng"])  # dropout drawn again in a replay
-        if self._recorder is not None:
-            self._push_draw["batches"] += 1
-            self._push_draw["batch"].append(batch_digest(batch))
-        self._draws += 1
+            self._start_round(self._finish, self.server)
+        self._note_batch(batch, starting)  # the event log's (its seed set for a new push)
         self._batch_samples += _batch_size(batch)
-
-    def _push_seed(self, finish: Finish) -> int:
-        server = self._running
-        if isinstance(server, ReplayServer):
-            return server.current_push()["rng"]
-        return seed_for(self.seed, finish.learner, server.rules.counts.pushes_per_learner[finish.learner])
 
     def _end_epoch(self) -> None:
         metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()}
         self._running.end_epoch(metrics)
-        if self._recorder is not None:
-            self._recorder.validation(self._running.core.epoch, metrics)
+        self._record_validation(metrics)
 
     @override
     def enter_validation(self) -> None:
+        self._pause_round()
         self._load_server_parameters()
 
     @override
@@ -288,17 +280,14 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._end_epoch()  # the last epoch ended too
         self.server.stop()
         # The learner's optimizer takes the server's state, as the module its parameters: what
-        # Lightning saves after fit (its checkpoint slots) is the server's.
-        self.optimizers[0].load_state_dict(self._running.state.optimizer.state_dict())
+        # Lightning saves after fit (its checkpoint slots) is the server's. (With local updates
+        # the server's is the outer optimizer, and the inner states stay the learners'.)
+        if not self.local_updates:
+            self.optimizers[0].load_state_dict(self._running.state.optimizer.state_dict())
         self._final_stats = self.server.stats()
         if self.trace_recorder is not None:
             self.write_trace(self.trace_recorder)
-        if self._recorder is not None:
-            self._recorder.finish(self.server.core)
-            if self._replay_log is not None:
-                self.replay_report = self.server.finish()
-            else:
-                self._final_stats["events_path"] = self._recorder.path
+        self._finish_event_log()
 
     @override
     def teardown(self) -> None:
@@ -306,11 +295,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         self._resume = None
         if self.server is not None and self._final_stats is None:
             self._final_stats = self.server.stats()  # fit interrupted before on_train_end
-        if self._recorder is not None:
-            self._recorder.close()  # no stop line: the log reads as truncated
-            stats = self._final_stats
-            if self._replay_log is None and stats is not None and "events_path" not in stats:
-                stats["events_path"] = self._recorder.path
+        self._close_event_log()
         super().teardown()
 
     # ---------------------------------------------------------------- one push per step
@@ -325,6 +310,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         server = self.server
         assert server is not None and self._finish is not None, "optimizer_step outside fit"
         model = model or self.lightning_module
+        if self._round is not None:
+            return self._local_step(server, self._round, model, optimizer, closure)
         finish, self._finish = self._finish, None
         loss, overflow = self.compute_gradient(model, optimizer, closure)
         if loss is None:
@@ -332,9 +319,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             self._retry = finish
         else:
             contribution = None if overflow else self._learner_view.split_push(*self._learner_view.push_vector())
-            if self._recorder is not None:
-                self._recorder.next_push(**{**self._push_draw,
-                                            "batch": combined_digest(self._push_draw["batch"])})
+            self._record_push()
             server.push(finish, contribution, float(loss), self._batch_samples,
                         unusable="overflow" if overflow else None)
             self.minibatch_times.append(finish.time - finish.started)  # X, for MiniBatchTimer
@@ -372,7 +357,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         # Plain bytes and dicts: loadable with torch.load(weights_only=True).
         # A stopped simulation (saved after fit) cannot go on: only its results are kept.
         engine = None if self._running.core.stopped else pickle.dumps(self.server)
-        return {"core": self._running.core.state_dict(), "engine": engine, "stats": self.stats}
+        return {"core": self._running.core.state_dict(), "engine": engine, "stats": self.stats,
+                **self._local_checkpoint()}
 
     # ---------------------------------------------------------------- internals
     @property

@@ -41,6 +41,7 @@ from lightning_stale.strategies.lightning_api import (
     replace_sigterm_broadcast,
     set_global_step,
 )
+from lightning_stale.strategies.local_updates import refuse_on_real_engine
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.options import DELAY_MODES, check_options
 from lightning_stale.strategies.pace import OwnPaceCollectives
@@ -120,6 +121,8 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             micro-batch per push, no gradient scaler, and no ``on_after_backward`` or
             ``on_before_optimizer_step`` override in the module or a callback (which may change
             the gradients). ``trainer.strategy.overlapped_updates`` counts such updates.
+        local_steps: 1 only (a push per step); local updates run on `SimulatedStaleStrategy`
+            for now (docs/how-to/local-updates.md).
         **ddp_kwargs: `DDPStrategy`'s accelerator, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin, process_group_backend, timeout, start_method.
 
@@ -147,7 +150,8 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
                  overlap_allreduce: bool | None = None, payload_channels: bool = False,
-                 **ddp_kwargs: Any) -> None:
+                 local_steps: int = 1, **ddp_kwargs: Any) -> None:
+        refuse_on_real_engine(local_steps)  # local updates: SimulatedStaleStrategy for now
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
                       hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,

@@ -1,0 +1,257 @@
+"""Local updates (local SGD, DiLoCo): the options ``local_steps`` and ``outer_optimizer`` and
+the inner optimizer's state of each simulated learner (docs/how-to/local-updates.md).
+
+A learner takes H steps of the module's own optimizer (the inner optimizer) from the parameters
+it pulled, then pushes the pseudo-gradient, pulled minus current parameters. The server applies
+the average of an update's pseudo-gradients with the outer optimizer: plain averaging (SGD with
+lr 1 and no momentum: local SGD, Wang and Joshi, "Cooperative SGD", JMLR 2021) by default, or any
+``torch.optim`` optimizer (DiLoCo, Douillard et al. 2023: SGD with Nesterov momentum, lr 0.7,
+momentum 0.9).
+
+``outer_optimizer`` takes the form LightningCLI and Hydra both write: a class path and its
+arguments, ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, ...}}`` (or the class
+path alone for its defaults).
+
+`LocalUpdatesMixin` runs the rounds inside `SimulatedStaleStrategy`, one Lightning training step
+per inner step.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import numbers
+import pickle
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_stale.engine.simulated import SimulatedServer
+from lightning_stale.engine.state import Contribution, ModelVectors
+from lightning_stale.method.virtual_clock import Finish
+from lightning_stale.strategies.lightning_api import set_global_step
+
+OuterFactory = Callable[[Sequence[Tensor]], Optimizer]
+PLAIN_AVERAGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}
+
+
+def check_local_steps(local_steps: Any) -> int:
+    """H as an int; ValueError naming the value for a non-integer or H < 1."""
+    if isinstance(local_steps, bool) or not isinstance(local_steps, numbers.Integral) or local_steps < 1:
+        raise ValueError(f"local_steps must be an integer >= 1 (the inner optimizer's steps per "
+                         f"push; 1: a push per step), got {local_steps!r}")
+    return int(local_steps)
+
+
+def refuse_on_real_engine(local_steps: Any) -> None:
+    """`StaleStrategy`'s check: H = 1 only, until its engine takes local steps."""
+    if check_local_steps(local_steps) != 1:
+        raise ValueError(f"local_steps={local_steps}: local updates run on SimulatedStaleStrategy "
+                         "for now; StaleStrategy takes local_steps=1 (a push per step)")
+
+
+def outer_optimizer_factory(spec: Any) -> OuterFactory | None:
+    """A function building the outer optimizer over the server's parameters, from None (no
+    outer optimizer), a class path, or a mapping ``{"class_path": ..., "init_args": {...}}``.
+
+    The class must be a ``torch.optim.Optimizer``; it is built once on a probe tensor here, so
+    that a bad argument is refused at construction, with the optimizer's own message."""
+    if spec is None:
+        return None
+    init_args: Mapping[str, Any]
+    if isinstance(spec, str):
+        class_path, init_args = spec, {}
+    elif isinstance(spec, Mapping):
+        unknown = sorted(set(map(str, spec)) - {"class_path", "init_args"})
+        if unknown or "class_path" not in spec:
+            raise ValueError(f"outer_optimizer {dict(spec)!r} needs the keys class_path and "
+                             f"(optionally) init_args, e.g. {{'class_path': 'torch.optim.SGD', "
+                             f"'init_args': {{'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}}}")
+        class_path, init_args = spec["class_path"], spec.get("init_args") or {}
+        if not isinstance(init_args, Mapping):
+            raise ValueError(f"outer_optimizer's init_args must map names to values, got {init_args!r}")
+        init_args = {str(k): v for k, v in init_args.items()}
+    else:
+        raise ValueError(f"outer_optimizer must be None, a class path such as 'torch.optim.SGD' or "
+                         f"a dict with class_path and init_args, got {spec!r}")
+    cls = _import_optimizer(str(class_path))
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **init_args)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"outer_optimizer {class_path} cannot be built with {init_args}: {error}") from None
+    return lambda params: cls(list(params), **init_args)
+
+
+def plain_averaging() -> OuterFactory:
+    """The default outer step: SGD with lr 1 and no momentum, w <- mean of the learners' w."""
+    factory = outer_optimizer_factory(PLAIN_AVERAGING)
+    assert factory is not None
+    return factory
+
+
+def _import_optimizer(class_path: str) -> type:
+    module_name, _, name = class_path.rpartition(".")
+    found = None
+    if module_name:
+        try:
+            found = getattr(importlib.import_module(module_name), name, None)
+        except ImportError:
+            found = None
+    if not (isinstance(found, type) and issubclass(found, Optimizer)):
+        raise ValueError(f"outer_optimizer class_path {class_path!r} names no torch.optim.Optimizer "
+                         "class; give e.g. 'torch.optim.SGD'")
+    return found
+
+
+# ------------------------------------------------------------------ inner optimizer states
+def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def take_inner_state(optimizer: Optimizer) -> list[dict | None]:
+    """Remove the per-parameter state (momentum, moments, step counts) from ``optimizer`` and
+    return it, one entry per parameter in group order (None: no state yet)."""
+    return [optimizer.state.pop(p, None) for p in optimizer_params(optimizer)]
+
+
+def give_inner_state(optimizer: Optimizer, states: Sequence[dict | None] | None) -> None:
+    """Make ``states`` (from `take_inner_state`; None: a fresh learner) the optimizer's state."""
+    optimizer.state.clear()
+    if states is None:
+        return
+    for param, state in zip(optimizer_params(optimizer), states):
+        if state is not None:
+            optimizer.state[param] = state
+
+
+def cloned_state(states: Sequence[dict | None] | None) -> list[dict | None] | None:
+    """A copy of `take_inner_state`'s result whose tensors the inner steps may change in place
+    while the stored one stays as it was (a checkpoint taken in the middle of a round)."""
+    if states is None:
+        return None
+    return [None if s is None else {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+                                    for k, v in s.items()} for s in states]
+
+
+class LocalRound:
+    """One simulated learner's H inner steps between two pushes.
+
+    Args:
+        finish: the learner's `Finish` on the virtual clock (its push at the round's end).
+        local_steps: H.
+        optimizer: the module's optimizer, which takes this learner's inner state now.
+        state: that state (`take_inner_state` of its previous round), None for a fresh one.
+    """
+
+    def __init__(self, finish: Any, local_steps: int, optimizer: Optimizer,
+                 state: Sequence[dict | None] | None) -> None:
+        self.finish, self.local_steps = finish, local_steps
+        self.done = 0
+        self.losses: list[float] = []
+        self.present: Tensor | None = None  # which parameters got a gradient in some step
+        self.paused: Tensor | None = None  # the learner's parameters while validation runs
+        give_inner_state(optimizer, cloned_state(state))
+
+    def step(self, optimizer: Optimizer, params: Sequence[Tensor], loss: float, overflow: bool) -> bool:
+        """One inner step on the gradients just computed (skipped on an overflow, as a grad
+        scaler skips it, but counted); returns whether the round is complete."""
+        seen = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
+        self.present = seen if self.present is None else self.present | seen
+        if not overflow:
+            optimizer.step()
+        self.done += 1
+        self.losses.append(loss)
+        return self.done >= self.local_steps
+
+    @property
+    def loss(self) -> float:
+        """The mean loss of the round's mini-batches (the push's loss)."""
+        return math.fsum(self.losses) / len(self.losses)
+
+    def contribution(self, vectors: ModelVectors, pulled: Tensor) -> Contribution:
+        """The push: the pseudo-gradient (``pulled`` minus the learner's current parameters), the
+        learner's buffers and, where some parameter got no gradient in the whole round, which
+        ones did (the outer optimizer leaves the others alone, as the inner one did)."""
+        current = vectors.state_vector()
+        pseudo = pulled[:vectors.numel] - current[:vectors.numel]
+        buffers = current[vectors.numel:] if vectors.buffers else None
+        present = None if self.present is None or bool(self.present.all()) else self.present
+        return Contribution(pseudo, buffers, present)
+
+
+# ------------------------------------------------------------------ the simulated strategy's rounds
+class LocalUpdatesMixin:
+    """`SimulatedStaleStrategy`'s local updates: the options, the round of the learner computing
+    (``self._round``; None between rounds and without local updates), its push at the round's
+    end, and what a checkpoint keeps of them."""
+
+    _finish: Finish | None  # the strategy's: the learner computing the push in progress
+
+    def _init_local_updates(self, local_steps: Any, outer_optimizer: Any, event_log: bool) -> None:
+        """Check the options; ``event_log``: record_events or replay was given (refused with them)."""
+        self.local_steps, self.outer_optimizer = check_local_steps(local_steps), outer_optimizer
+        self._outer = outer_optimizer_factory(outer_optimizer)
+        self.local_updates = self.local_steps > 1 or self._outer is not None
+        if self.local_updates and event_log:
+            raise ValueError("record_events and replay cannot go with local updates (local_steps > 1 "
+                             "or an outer_optimizer): an event log holds one mini-batch per push")
+        self._round: LocalRound | None = None  # the local steps in progress
+
+    def _outer_factory(self) -> OuterFactory | None:
+        """The server's outer optimizer for this fit; None: the pushes are gradients."""
+        return (self._outer or plain_averaging()) if self.local_updates else None
+
+    def _restored_round(self, restored: dict, state: Any) -> Finish | None:
+        """Load the outer optimizer's state from a checkpoint's ``restored`` simulation into
+        ``state``; returns the learner whose round was in progress (it starts again), if any."""
+        if restored.get("outer_optimizer") is not None:
+            state.optimizer.load_state_dict(restored["outer_optimizer"])
+        saved = restored.get("round")  # saved within a round
+        return None if saved is None else pickle.loads(saved)
+
+    def _start_round(self, finish: Finish, server: SimulatedServer) -> None:
+        if self.local_updates:
+            self._round = LocalRound(finish, self.local_steps, self.optimizers[0],
+                                     server.inner_states.get(finish.learner))
+
+    def _pause_round(self) -> None:
+        if self._round is not None and self._round.paused is None:
+            self._round.paused = self._learner_view.state_vector()  # restored when training goes on
+
+    def _resume_round(self) -> None:
+        if self._round is not None and self._round.paused is not None:
+            self._learner_view.load_state(self._round.paused)  # validation ran within the round
+            self._round.paused = None
+
+    def _local_step(self, server: SimulatedServer, round_: LocalRound, model: Any,
+                    optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
+        """One inner step of the learner's round; its last one pushes the pseudo-gradient. A
+        skipped training_step is not a step: the learner goes on with the next batch."""
+        loss, overflow = self.compute_gradient(model, optimizer, closure)
+        if loss is not None and round_.step(optimizer, self._learner_view.params, float(loss), overflow):
+            finish = round_.finish
+            contribution = round_.contribution(self._learner_view, server.parameters_for(finish))
+            server.inner_states[finish.learner] = take_inner_state(optimizer)
+            self._finish = self._round = None
+            # (no X for MiniBatchTimer: a round is H mini-batches, and the trace has each draw)
+            server.push(finish, contribution, round_.loss, self._batch_samples)
+        set_global_step(self.lightning_module.trainer, server.updates * self.local_steps)
+        return loss
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.local_updates:  # the inner optimizer's own (its states per learner: the engine's)
+            return getattr(optimizer, "_optimizer", optimizer).state_dict()
+        return super().optimizer_state(optimizer)
+
+    def _local_checkpoint(self) -> dict:
+        """What `_engine_checkpoint` adds for local updates (nothing without them)."""
+        if not self.local_updates:
+            return {}
+        return {"outer_optimizer": self._running.state.optimizer.state_dict(),
+                "round": None if self._round is None else pickle.dumps(self._round.finish)}
