@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 from torch import Tensor
 
@@ -46,6 +46,28 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.rules import Decision, ServerRules, Update
 from lightning_stale.method.variants import Variant
+
+
+class CoreObserver(Protocol):
+    """What an observer of a `ServerCore` implements (``observer=``; `replay.EventRecorder` is
+    one): the core calls these as things happen, after its books record them."""
+
+    def on_push(self, core: ServerCore, decision: Decision, clock: float, loss: float) -> None:
+        """A push was decided (accepted, dropped or unusable)."""
+
+    def on_update(self, core: ServerCore, update: Update, order: tuple[int, ...],
+                  weights: tuple[float, ...] | None, lrs: tuple[float, ...] | None) -> None:
+        """An update was applied: its gradients' ids in the order summed, their weights, and the
+        learning rates of the step (None where the core holds no state)."""
+
+    def on_epoch_end(self, core: ServerCore) -> None:
+        """An epoch ended."""
+
+    def on_remove_learner(self, core: ServerCore, learner: int, clock: float) -> None:
+        """A dead learner was removed."""
+
+    def on_stop(self, core: ServerCore, pending: tuple[int, ...]) -> None:
+        """Training stopped, with these pushes' gradients pending."""
 
 
 @dataclass
@@ -101,7 +123,8 @@ class ServerCore:
     def __init__(self, variant: Variant, state: ServerState | None = None,
                  limits: ServerLimits | None = None, adaptive: AdaptiveK | None = None,
                  compensation: StalenessCompensation | None = None,
-                 keep_snapshots: bool = False, clock: float = 0.0, observer=None) -> None:
+                 keep_snapshots: bool = False, clock: float = 0.0,
+                 observer: CoreObserver | None = None) -> None:
         self.rules = ServerRules(variant)
         self.observer = observer
         self.state = state

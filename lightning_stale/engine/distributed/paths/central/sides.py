@@ -41,32 +41,12 @@ class CentralExchange(LearnerSide):
         if masked:
             message.flags |= Flag.MASKED
 
-    def carry(self, message: Message) -> None:
-        """The push waits over an epoch's end: its payload holds the gradient already."""
-
-    def before_push(self, message: Message) -> None:
-        """The push leaves now (not when cancelled work is thrown away)."""
-
-    def after_push(self, message: Message) -> None:
-        """The push has left; the answer has not been waited for yet."""
-
-    def resolve(self, message: Message, check: Callable[[], None]) -> None:
-        """Complete a message's parameters, where they come in parts."""
-
     def take(self, message: Message) -> None:
         """The parameters, from the message's payload or straight from its shared-memory slot."""
         if message.lent is not None:  # still in its shared-memory slot: loaded from there
             message.lent.use(self.vectors.load_state)
         elif message.payload is not None:
             self.vectors.load_state(message.payload)
-
-    def close(self, timeout: float, failed: bool = False) -> list[str]:
-        """After the stop (``failed``: after a failure): release what the exchange holds; names
-        of threads still running."""
-        return []
-
-    def release(self) -> None:
-        """Nothing hooked on the module."""
 
 
 class CentralPayloads(ServerSide):
@@ -118,12 +98,3 @@ class CentralPayloads(ServerSide):
         if alone and self.place_for is not None and not state.has_snapshot(version):
             place = self.place_for(message.learner, state.vectors.state_numel, state.vectors.dtype)
         message.payload = state.snapshot(version) if place is None else state.vectors.state_vector(out=place)
-
-    def on_update(self, update, contributions, weights) -> None:
-        pass
-
-    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
-        pass
-
-    def on_stop(self) -> None:
-        pass

@@ -64,9 +64,6 @@ class CollectivePayloads(ServerSide):
     def __init__(self, overlap: bool = False) -> None:
         self.overlap = overlap
 
-    def attach(self, endpoint) -> None:
-        """Nothing to send besides the server's messages."""
-
     def contribution(self, message: Message) -> None:
         """Nothing: the gradient stays with its learner until the update's all-reduce."""
         return None
@@ -77,15 +74,6 @@ class CollectivePayloads(ServerSide):
             p = core.rules.p
             overlap_next = self.overlap and core.rules.k == p and core.pushes_fit_in_epoch(p)
             message.payload = update_payload(decision.update, p, overlap_next)
-
-    def on_update(self, update, contributions, weights) -> None:
-        pass
-
-    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
-        pass  # every learner steps its own
-
-    def on_stop(self) -> None:
-        pass
 
 
 class CollectiveExchange(LearnerSide):

@@ -48,9 +48,6 @@ class ShardedExchange(LearnerSide):
         if masked:
             message.flags |= Flag.MASKED
 
-    def carry(self, message: Message) -> None:
-        """The push waits over an epoch's end: its payload holds the gradient already."""
-
     def before_push(self, message: Message) -> None:
         """The pieces go to the owners before the header goes to the server, so that an owner
         rarely waits for them."""
@@ -65,9 +62,6 @@ class ShardedExchange(LearnerSide):
             self.mesh.send(owner, Message(Kind.PIECE, self.rank, message.version, seq=self.seq,
                                           flags=message.flags & Flag.MASKED, payload=piece,
                                           ready=streams.mark(piece)))
-
-    def after_push(self, message: Message) -> None:
-        """Nothing: the pieces left before the header."""
 
     def put_slice(self, owner: int, message: Message) -> None:
         if message.payload is None:  # an owner of no tensor sends nothing
@@ -112,9 +106,6 @@ class ShardedExchange(LearnerSide):
         stuck = [] if self.owner.join(timeout) else [f"stale-shard-{self.rank}"]
         self.mesh.close()
         return stuck + self.mesh.join(max(0.0, deadline - time.monotonic()))
-
-    def release(self) -> None:
-        """Nothing hooked on the module."""
 
 
 class ShardedPayloads(ServerSide):
