@@ -1,10 +1,7 @@
 """Lightning's LR scheduler configs, stepped by whoever applies the updates (the server, or every
-learner where an all-reduce combines the gradients) instead of by Lightning's loop.
-
-Intervals mean what Lightning's config says, counted in server updates: ``interval="step"``
-every ``frequency`` updates, ``"epoch"`` when an epoch's end is over (after its validation, as
-Lightning steps them), a ``ReduceLROnPlateau`` with the value of its ``monitor`` among the
-logged metrics (per update: the latest values reported; per epoch: those of the validation).
+learner where an all-reduce combines the gradients) instead of by Lightning's loop; intervals
+count server updates (``"step"``), epochs after validation (``"epoch"``), and a
+``ReduceLROnPlateau`` reads its ``monitor`` among the logged metrics.
 """
 
 from __future__ import annotations

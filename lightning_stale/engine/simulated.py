@@ -1,11 +1,8 @@
 """The server core on a virtual clock: P learners in one process, no Lightning.
 
 `SimulatedServer` is `ServerCore` driven by a `VirtualCluster` (docs/method.md, "Setting"): the
-cluster says which learner finishes its mini-batch next and at which virtual time; the caller
-computes that learner's gradient on the parameters it last pulled (`parameters_for`) and hands
-it to `push`; the core decides and applies exactly as in the real engine. Work that the real
-engine would cancel never finishes on the virtual clock, so it is never computed: a simulated
-run costs one gradient per push.
+caller computes the gradient of the learner that finishes next, on the parameters it last pulled
+(`parameters_for`), and hands it to `push`. Cancelled work is never computed.
 """
 
 from __future__ import annotations
@@ -21,17 +18,7 @@ from lightning_stale.method.virtual_clock import Finish, VirtualCluster
 
 
 class SimulatedServer:
-    """One simulated run of one variant.
-
-    Args:
-        state: the server's parameters and optimizer.
-        variant: the variant with K and P.
-        delay: straggler model with ``sample(learner)`` (seconds).
-        compute_time: virtual seconds added to every mini-batch.
-        adaptive: `AdaptiveK` schedule, or None for a fixed K.
-        compensation: `StalenessCompensation`, or None.
-        limits: the core's limits; epochs are ended by the caller (`end_epoch`).
-    """
+    """One simulated run of one variant."""
 
     def __init__(self, state: ServerState, variant: Variant, delay, compute_time: float = 0.0,
                  adaptive: AdaptiveK | None = None,

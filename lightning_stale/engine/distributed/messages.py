@@ -1,9 +1,8 @@
 """Messages between learners and the parameter server, and their wire header.
 
-A message is a fixed-size header of named fields (`HEADER`, packed with `struct`) and an optional
-flat tensor payload. The header starts with a magic number and the protocol version, and every
-field is checked when a frame is decoded (`decode_header`): a frame that does not parse ends the
-run with a `TransportError` naming the sender. Nothing received is ever unpickled or executed.
+A message is a fixed-size header of named fields (`HEADER`, packed with `struct`, starting with a
+magic number and the protocol version, checked by `decode_header`) and an optional flat tensor
+payload. Nothing received is ever unpickled or executed.
 """
 
 from __future__ import annotations
@@ -171,13 +170,8 @@ def encode_header(message: Message, payload: Tensor | None, inline: int) -> byte
 
 
 def decode_header(data, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
-    """The message of a header at the start of ``data`` (bytes, or any buffer: a receive buffer
-    is read in place), its payload's size and dtype, and where the payload travels (`SEPARATE`,
-    `INLINE`, `IN_LANE` or `ON_CHANNEL`).
-
-    Raises `TransportError` naming ``sender`` for anything that is not a header of this protocol:
-    a short frame, a wrong magic number or protocol version, an unknown kind or dtype, or a
-    payload larger than ``max_numel`` or of negative size."""
+    """The message of a header at the start of ``data`` (bytes, or any buffer: a receive buffer is read in place), its
+    payload's size and dtype, and where the payload travels (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`)."""
     if len(data) < HEADER_BYTES:
         raise TransportError(f"{sender} sent a frame of {len(data)} bytes, shorter than a header "
                              f"({HEADER_BYTES} bytes)")
@@ -217,10 +211,9 @@ _TRAINING = (Kind.PARAMS, Kind.CONTINUE)
 
 
 def coalesce(messages: list[Message]) -> list[Message]:
-    """What a sender that fell behind sends instead of ``messages``, with the same effect on the
-    learner: a run of training messages becomes its newest header, with the newest parameters
-    if any of them carried parameters; heartbeats go when anything else is sent; epoch ends,
-    stops and aborts are kept, in order."""
+    """What a sender that fell behind sends instead of ``messages``, with the same effect on the learner: a run of
+    training messages becomes its newest header, with the newest parameters if any of them carried parameters;
+    heartbeats go when anything else is sent; epoch ends, stops and aborts are kept, in order."""
     out: list[Message] = []
     run: list[Message] = []
 

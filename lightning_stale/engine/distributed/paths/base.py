@@ -1,11 +1,8 @@
 """What a server path is: the operations every path implements, each declared here once.
 
-A path (`ServerPath`) decides where the parameters live and what travels per push and per
-update. It has a learner side (`LearnerSide`: what a push carries, how parameters arrive), a
-server side (`ServerSide`: what the server keeps of a push and what its messages carry), a part
-of every checkpoint written on rank 0 (`CheckpointPart`), and a cost model for ``server="auto"``
-(`ServerPath.traffic`). The registry (`paths.registry`) holds the paths by name; nothing else
-compares path names. Adding a path means one folder beside the others and one line there.
+A path (`ServerPath`) has a learner side (`LearnerSide`), a server side (`ServerSide`), its part
+of a checkpoint (`CheckpointPart`) and a cost model for ``server="auto"`` (`ServerPath.traffic`).
+The registry (`paths.registry`) holds the paths by name; nothing else compares path names.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Data between every pair of ranks, for the sharded path: gradient pieces, parameter slices and
-gathered state (`sharded.owner`).
-
-Every rank has, for every other rank, one receiving thread and one sending thread (draining an
-outbox), on the server traffic's gloo group with tags of their own, so that a slow transfer to
-one peer never holds another. Messages to oneself are delivered in-process. `close` sends every
-peer a last message that ends its receiving thread.
+gathered state (`sharded.owner`), one receiving and one sending thread per peer on the server's
+gloo group, so that a slow transfer never holds another; `close` ends them.
 """
 
 from __future__ import annotations

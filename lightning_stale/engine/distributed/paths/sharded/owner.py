@@ -1,27 +1,11 @@
 """The sharded path: every rank owns a slice of the parameters, so no rank carries them all.
 
-The trainable tensors are cut into P contiguous runs of about equal size (at tensor boundaries,
-so per-tensor optimizers stay exact); rank o's *owner* thread holds run o, its optimizer state
-and its schedulers (rank 0's owner also the buffers). The server core on rank 0 still takes
-every decision, from headers alone, so every owner applies the same gradients in the same order:
-
-* a push: the learner sends each owner its piece of the gradient (mesh) and the server the
-  header (version, loss, samples, its push counter ``seq``);
-* an update: the server orders every owner to APPLY it, naming the (learner, seq) of each
-  gradient and its weight; an owner waits for its pieces, averages, steps;
-* new parameters for a learner (a refresh, an epoch's validation, the stop): the server orders
-  every owner to SEND that learner its slice, tagged with a delivery number, and tells the
-  learner to expect that delivery; the learner joins the slices (`sides.ShardedExchange.resolve`).
-
-Per update a rank moves about N(P-1)/P values up and as many down, like a ring all-reduce,
-and steps an optimizer over N/P values (docs/benchmarks/scaling.md).
-
-What this path gives up: an owner lives in a learner's process. A learner that is slow to
-compute still serves its slice (a thread of its own), but a process that is frozen or dies takes
-its slice with it: the run waits for a frozen one and stops for a dead one. The Trainer's
-gradient clipping (a norm over every shard) and the "norm" staleness compensation (a distance
-over every shard) would need an exchange between owners per update, so they are refused here
-(the central server runs them).
+The trainable tensors are cut into P runs at tensor boundaries; rank o's owner thread holds run o,
+its optimizer state and schedulers. The server on rank 0 decides from headers and orders every
+owner to APPLY an update (naming each gradient's (learner, seq) and weight) or to SEND a learner
+its slice; learners send each owner its piece of a push. Per update a rank moves about N(P-1)/P
+values each way (docs/benchmarks/scaling.md). A dead process takes its slice with it, so the
+run stops; clipping and the "norm" compensation are refused (docs/concepts/paths.md).
 """
 
 from __future__ import annotations
@@ -46,13 +30,7 @@ WAIT_S = 0.1  # how often a wait for pieces, slices or state looks at the run's 
 
 
 class ShardLayout:
-    """Which trainable tensors each of the P owners holds: contiguous runs of about N/P values.
-
-    Args:
-        sizes: the number of values of each trainable tensor, in module order.
-        buffer_numel: the values of the buffers (owner 0 keeps them).
-        p: the number of owners.
-    """
+    """Which trainable tensors each of the P owners holds: contiguous runs of about N/P values."""
 
     def __init__(self, sizes: Sequence[int], buffer_numel: int, p: int) -> None:
         self.p, self.buffer_numel = p, buffer_numel
@@ -102,16 +80,7 @@ class PieceRef:
 
 
 class ShardOwner:
-    """Holds one shard of the server and follows the server's orders, in order (a thread).
-
-    Args:
-        rank: this owner's rank (its shard's index).
-        state: the shard: its parameters, optimizer state, schedulers (buffers on rank 0).
-        mesh: where slices and gathered state go.
-
-    `start` begins following orders; an owner that fails tells the server (an ABORT naming it),
-    and an owner stops waiting once the run has failed.
-    """
+    """Holds one shard of the server and follows the server's orders, in order (a thread)."""
 
     def __init__(self, rank: int, state: ServerState, mesh: DataMesh) -> None:
         self.rank, self.state, self.mesh = rank, state, mesh
