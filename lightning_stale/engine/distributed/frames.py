@@ -26,8 +26,8 @@ from lightning_stale.engine.distributed.messages import (
     INLINE_PAYLOAD_BYTES,
     ON_CHANNEL,
     SEPARATE,
+    Envelope,
     Kind,
-    Message,
     TransportError,
     decode_header,
     encode_header,
@@ -84,7 +84,7 @@ def _carrier(payload: Tensor | None, channel: Channel | None) -> Channel | None:
     return channel
 
 
-def encode(message: Message, lane: Lane | None = None,
+def encode(message: Envelope, lane: Lane | None = None,
            closed: Callable[[], str | None] = lambda: None,
            channel: Channel | None = None) -> tuple[Tensor, Tensor | None]:
     """The frame to send first (header, and the payload if it is small) and the payload to send after it (on
@@ -109,7 +109,7 @@ def encode(message: Message, lane: Lane | None = None,
     return frame, payload
 
 
-def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
+def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Envelope, int, torch.dtype, int]:
     """The message of a received frame, its payload's size and dtype, and where the payload is
     (`SEPARATE`, `INLINE`: then it is set on the message, as a copy, or `IN_LANE`)."""
     message, numel, dtype, where = decode_header(frame.numpy(), sender, max_numel)  # (read in place)
@@ -122,7 +122,7 @@ def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, to
     return message, numel, dtype, where
 
 
-def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | None = None,
+def send(message: Envelope, dst: int, group, tags: tuple[int, int], lane: Lane | None = None,
          closed: Callable[[], str | None] = lambda: None, channel: Channel | None = None) -> None:
     frame, payload = encode(message, lane, closed, channel)
     dist.send(frame, dst=dst, group=group, tag=tags[0])
@@ -135,11 +135,11 @@ def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | 
 
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
          buffer: Tensor | None = None, lane: Lane | None = None, lend: tuple[Kind, ...] = (),
-         channel: Channel | None = None) -> Message:
+         channel: Channel | None = None) -> Envelope:
     """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop;
     ``lane``: the sender's shared-memory lane to this process, if any; messages of the kinds in
     ``lend`` keep their payload there (`Lane.lend`); ``channel``: the sender's channel to this
-    process, if any (its payloads come with ``Message.ready``)."""
+    process, if any (its payloads come with ``Envelope.ready``)."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
     dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
     message, numel, dtype, where = decode(frame, sender, max_numel)

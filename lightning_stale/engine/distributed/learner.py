@@ -27,21 +27,10 @@ from lightning_stale.engine.state import ModelVectors
 
 
 class Learner:
-    """Args:
-        endpoint: this rank's transport.
-        vectors: the module's parameters and buffers as flat vectors.
-        exchange: how gradients leave and parameters arrive: the path's learner side
-            (`paths.base.LearnerSide`).
-        delay: a straggler model (``sample(rank)``), or None.
-        waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
-            `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
-        delay_is_total: the drawn delay is the mini-batch's whole time X (see `MiniBatchClock`).
-        server_error: returns the error of the server thread on this rank, if it failed.
-        server_timeout: seconds of silence after which the server is taken for dead.
-        roll_call: report at every epoch's end and, before validating, wait until the server
-            has heard every learner still alive (`confirm_epoch_end`; ``on_learner_failure=
-            "continue"``, where a learner may die and its death must be known by then).
-    """
+    """One rank's learner: ``exchange`` is the path's learner side, ``delay`` a straggler model
+    (``sample(rank)``) or None, ``waits_for_answer`` False where the variant needs no answer to a
+    push (`Variant.pusher_needs_answer`), ``roll_call`` (``on_learner_failure="continue"``): report
+    at every epoch's end and validate once the server has heard every learner alive."""
 
     def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
                  exchange: LearnerSide, waits_for_answer: bool = True, delay_is_total: bool = False,

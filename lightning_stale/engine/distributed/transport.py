@@ -25,6 +25,9 @@ from lightning_stale.engine.distributed.messages import (
     OWNER_KINDS,
     Kind,
     Message,
+    Order,
+    ShardData,
+    TransportError,
     coalesce,
     payload_text,
 )
@@ -59,7 +62,8 @@ class ServerEndpoint:
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
         self._last_sent = {r: time.monotonic() for r in range(num_learners)}
         # (a sender marks each message done once sent: `place_for` reads what is left to send)
-        self._outboxes: dict[int, queue.Queue[Message | None]] = {r: queue.Queue() for r in range(1, num_learners)}
+        self._outboxes: dict[int, queue.Queue[Message | Order | None]] = {
+            r: queue.Queue() for r in range(1, num_learners)}
         self._closed: set[int] = set()  # learners that left, died or were told to stop
         self._threads = []
         for r in self._outboxes:
@@ -74,7 +78,7 @@ class ServerEndpoint:
         """The learners whose payloads travel through shared memory."""
         return sorted(self._lanes)
 
-    def send(self, learner: int, message: Message) -> None:
+    def send(self, learner: int, message: Message | Order) -> None:
         if learner in self._closed:
             return
         self._last_sent[learner] = time.monotonic()
@@ -133,7 +137,9 @@ class ServerEndpoint:
             self._pushes[message.learner] = (self._pushes[message.learner][0] + 1, message.received_at)
         self.deliver(message)
 
-    def _stamp(self, learner: int, message: Message) -> None:
+    def _stamp(self, learner: int, message: Message | Order) -> None:
+        if not isinstance(message, Message):  # (an order to a shard owner: no latency to estimate)
+            return
         pushes, last = self._pushes[learner]
         now = time.monotonic()
         message.pushes, message.hold = pushes, (now - last) if pushes else 0.0
@@ -148,6 +154,8 @@ class ServerEndpoint:
                 lend = (Kind.PUSH,) if lane is not None and self._lend_pushes() else ()
                 message = recv(self.group, (UP, UP_DATA), learner, f"learner {learner}",
                                self._max_numel, buffer, lane, lend, self._channels.get((learner, 0)))
+                if not isinstance(message, Message):
+                    raise TransportError(f"learner {learner} sent a {message.kind.name}, not a message to the server")
                 message.learner = learner
                 if message.kind in (Kind.ABORT, Kind.INTERRUPT):
                     message.error = payload_text(message.payload)
@@ -256,6 +264,8 @@ class LearnerEndpoint:
                 # an epoch's parameters are kept for validation, so they are copied out.
                 message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self._max_numel, buffer,
                                self._lanes[1], lend=(Kind.PARAMS, Kind.STOP), channel=self._down)
+                if isinstance(message, ShardData):
+                    raise TransportError(f"the server sent a {message.kind.name}, which only shard owners send")
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
                     message.error = self.failure = payload_text(message.payload)

@@ -22,7 +22,15 @@ import torch
 from torch import Tensor
 
 from lightning_stale.engine import streams
-from lightning_stale.engine.distributed.messages import Flag, Kind, Message, payload_text, text_payload
+from lightning_stale.engine.distributed.messages import (
+    Flag,
+    Kind,
+    Message,
+    Order,
+    ShardData,
+    payload_text,
+    text_payload,
+)
 from lightning_stale.engine.distributed.paths.sharded.mesh import DataMesh
 from lightning_stale.engine.state import ModelVectors, ServerState
 
@@ -84,9 +92,9 @@ class ShardOwner:
 
     def __init__(self, rank: int, state: ServerState, mesh: DataMesh) -> None:
         self.rank, self.state, self.mesh = rank, state, mesh
-        self.commands: queue.Queue[Message] = queue.Queue()
+        self.commands: queue.Queue[Order] = queue.Queue()
         self.version = 0
-        self._pieces: dict[tuple[int, int], Message] = {}
+        self._pieces: dict[tuple[int, int], ShardData] = {}
         self._arrived = threading.Condition()
         self._mesh_failure: str | None = None
         # On a GPU the owner works on a stream of its own: on the default one, its copies to the
@@ -116,7 +124,7 @@ class ShardOwner:
         else:
             self._endpoint.push(message)
 
-    def put_piece(self, message: Message) -> None:
+    def put_piece(self, message: ShardData) -> None:
         with self._arrived:
             self._pieces[(message.learner, message.seq)] = message
             self._arrived.notify_all()
@@ -146,7 +154,7 @@ class ShardOwner:
             detail = "".join(traceback.format_exception(exc)).rstrip()
             self.report(f"the shard server on rank {self.rank} failed: {type(exc).__name__}: {exc}\n{detail}")
 
-    def _apply(self, command: Message) -> None:
+    def _apply(self, command: Order) -> None:
         assert command.payload is not None, "an update names its gradients"
         orders = command.payload.view(-1, 3).tolist()
         pieces = [self._take(int(learner), int(seq)) for learner, seq, _ in orders]
@@ -165,7 +173,7 @@ class ShardOwner:
             for key in [k for k in self._pieces if k[0] in applied and k[1] < applied[k[0]]]:
                 del self._pieces[key]
 
-    def _take(self, learner: int, seq: int) -> Message:
+    def _take(self, learner: int, seq: int) -> ShardData:
         with self._arrived:
             while (learner, seq) not in self._pieces:
                 self._arrived.wait(WAIT_S)
@@ -174,25 +182,25 @@ class ShardOwner:
                     raise RuntimeError(f"waiting for learner {learner}'s gradient: the run failed ({reason})")
             return self._pieces.pop((learner, seq))
 
-    def _send(self, command: Message) -> None:
+    def _send(self, command: Order) -> None:
         payload = self.state.snapshot(self.version, self.mesh.payload_device(self.state.vectors.device))
-        self.mesh.send(command.learner, Message(Kind.SLICE, command.learner, self.version,
-                                                delivery=command.delivery, payload=payload,
+        self.mesh.send(command.learner, ShardData(Kind.SLICE, command.learner, self.version,
+                                                  delivery=command.delivery, payload=payload,
                                                 ready=streams.mark(payload)))
 
-    def _schedule(self, command: Message) -> None:
+    def _schedule(self, command: Order) -> None:
         metrics = json.loads(payload_text(command.payload))
         if command.flags & Flag.PER_UPDATE:
             self.state.schedules.metrics.update(metrics)
         else:
             self.state.schedules.end_epoch(command.epoch - 1, metrics)
 
-    def _gather(self, command: Message) -> None:
-        self.mesh.send(0, Message(Kind.STATE, self.rank, self.version, delivery=command.delivery,
+    def _gather(self, command: Order) -> None:
+        self.mesh.send(0, ShardData(Kind.STATE, self.rank, self.version, delivery=command.delivery,
                                   payload=self.state.snapshot(self.version)))
         saved = io.BytesIO()
         torch.save({"optimizer": self.state.optimizer.state_dict(),
                     "schedulers": self.state.schedules.states()}, saved)
-        self.mesh.send(0, Message(Kind.STATE, self.rank, self.version, delivery=command.delivery,
+        self.mesh.send(0, ShardData(Kind.STATE, self.rank, self.version, delivery=command.delivery,
                                   flags=Flag.OPTIMIZER,
                                   payload=torch.frombuffer(bytearray(saved.getvalue()), dtype=torch.uint8)))

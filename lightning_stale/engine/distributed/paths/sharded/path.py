@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.messages import Kind, Message, ShardData
 from lightning_stale.engine.distributed.paths.base import (
     CheckpointPart,
     CheckpointView,
@@ -63,7 +63,7 @@ class ShardedPath(ServerPath):
         payloads = ShardedPayloads(p) if rank == 0 else None
         parts: dict[str, Any] = {}
 
-        def deliver(peer: int, message: Message) -> None:
+        def deliver(peer: int, message: ShardData) -> None:
             if message.kind == Kind.PIECE:
                 parts["owner"].put_piece(message)
             elif message.kind == Kind.SLICE:
