@@ -2,9 +2,10 @@
 
 `ModelVectors` lays a module out as flat vectors: trainable parameters, then persistent buffers,
 plus a presence mask when some parameter got no gradient. `ServerState` applies docs/method.md's
-update as "average the K gradients, then one step of the module's own optimizer"; a parameter no
-gradient touched keeps ``grad = None``, as under DDP. Buffers are the mean of those pushed with
-the update's gradients (integer buffers: the largest; docs/concepts/server.md).
+update rule (Dutta et al., 2018) as the mean of the K gradients, then one step of the module's
+own optimizer; a parameter no gradient touched keeps ``grad = None``, as under DDP. Buffers are
+the mean of those pushed with the update's gradients (integer buffers: the largest;
+docs/concepts/server.md).
 """
 
 from __future__ import annotations
