@@ -135,12 +135,13 @@ def main() -> None:
         for devices in args.devices:
             for hidden, fit_steps in zip(args.hidden, steps):
                 rows += compare(args, trees, Path(tmp), devices, hidden, fit_steps, mannwhitneyu)
+                # after every pair, all so far: a long grid cut short keeps what it measured
+                write_results(out, "against_commit", rows, {"base": commits["base"], "head": commits["head"],
+                                                             "wall_s": time.monotonic() - start})
     print(f"\nbase {commits['base'][:7]} against head {commits['head'][:7]}, {args.launches} launches of each, "
           f"{args.repeats} repeats per launch; samples/s over ddp's in the same repeat, median")
     print(table(rows, ["devices", "parameters", "mode", "k", "base_vs_ddp", "head_vs_ddp", "head_over_base",
                        "mann_whitney_p", "launches", "repeats", "base_samples_per_s", "head_samples_per_s"]))
-    write_results(out, "against_commit", rows, {"base": commits["base"], "head": commits["head"],
-                                                 "wall_s": time.monotonic() - start})
 
 
 def compare(args, trees: dict[str, Path], tmp: Path, devices: int, hidden: int, steps: int,
