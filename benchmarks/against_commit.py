@@ -19,8 +19,12 @@ engines alone (the setting applies to ``ddp`` too, so a ratio to ``ddp`` can mov
 
 Each fit is ``overhead_vs_ddp.measure`` (its samples/s and its K per variant).
 
+``--devices`` and ``--hidden`` take several values: every pair of them is one comparison of its own
+(its launches alternate as above), and its rows name P and the model's parameters (75h + 10 at
+``--hidden`` h: 256 gives 0.02M, 46667 gives 3.5M).
+
     python benchmarks/against_commit.py --base COMMIT [--head HEAD] [--modes k_batch_sync sync]
-        [--devices 2] [--launches 4] [--repeats 6] [--steps 300] [--hidden 256] [--same-settings]
+        [--devices 2 4] [--launches 4] [--repeats 6] [--steps 300] [--hidden 256 46667] [--same-settings]
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ def run_launch(args) -> None:
     rows = []
     for repeat in range(args.repeats):
         for mode in ("ddp", *args.modes):
-            row = measure(mode, None if mode == "ddp" else k_of(mode, args.devices), args.devices,
-                          hidden=args.hidden, steps=args.steps, seed=args.seed)
+            row = measure(mode, None if mode == "ddp" else k_of(mode, args.devices[0]), args.devices[0],
+                          hidden=args.hidden[0], steps=args.steps[0], seed=args.seed)
             if row is not None:
                 rows.append({"repeat": repeat, "mode": mode, "samples_per_s": row["samples_per_s"]})
     if is_rank_zero():
@@ -100,11 +104,13 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="the earlier commit (any git revision)")
     parser.add_argument("--head", default="HEAD", help="the commit to compare with it")
     parser.add_argument("--modes", nargs="+", default=["k_batch_sync", "sync"], choices=VARIANTS)
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--devices", type=int, nargs="+", default=[2])
     parser.add_argument("--launches", type=int, default=4, help="launches per commit, alternating")
     parser.add_argument("--repeats", type=int, default=6, help="interleaved repeats per launch")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--hidden", type=int, default=256, help="0.02M parameters at 256")
+    parser.add_argument("--steps", type=int, nargs="+", default=[300],
+                        help="steps per fit: one value, or one per --hidden value")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[256],
+                        help="0.02M parameters at 256, 3.5M at 46667")
     parser.add_argument("--same-settings", action="store_true",
                         help="run both codes under this checkout's process settings (the allocator's): "
                              "the engines compared alone, ddp alike in both")
@@ -119,39 +125,52 @@ def main() -> None:
     from scipy.stats import mannwhitneyu
 
     out, start = prepare_out(args.out), time.monotonic()
-    collected: dict[str, list[dict]] = {"base": [], "head": []}
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {side: Path(tmp) / side for side in collected}
-        commits = {side: export(getattr(args, side), trees[side]) for side in collected}
-        for launch in range(args.launches):
-            for side in ("base", "head") if launch % 2 == 0 else ("head", "base"):
-                tree = trees[side]
-                result = Path(tmp) / f"{side}-{launch}.json"
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
-                subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
-                                "--child-result", str(result)], check=True, env=env)
-                for row in json.loads(result.read_text()):
-                    collected[side].append({**row, "repeat": (launch, row["repeat"])})
+        trees = {side: Path(tmp) / side for side in ("base", "head")}
+        commits = {side: export(getattr(args, side), trees[side]) for side in trees}
+        steps = args.steps * len(args.hidden) if len(args.steps) == 1 else args.steps
+        if len(steps) != len(args.hidden):
+            parser.error(f"--steps takes one value or one per --hidden value ({len(args.hidden)}), not {len(steps)}")
+        for devices in args.devices:
+            for hidden, fit_steps in zip(args.hidden, steps):
+                rows += compare(args, trees, Path(tmp), devices, hidden, fit_steps, mannwhitneyu)
+                # after every pair, all so far: a long grid cut short keeps what it measured
+                write_results(out, "against_commit", rows, {"base": commits["base"], "head": commits["head"],
+                                                             "wall_s": time.monotonic() - start})
+    print(f"\nbase {commits['base'][:7]} against head {commits['head'][:7]}, {args.launches} launches of each, "
+          f"{args.repeats} repeats per launch; samples/s over ddp's in the same repeat, median")
+    print(table(rows, ["devices", "parameters", "mode", "k", "base_vs_ddp", "head_vs_ddp", "head_over_base",
+                       "mann_whitney_p", "launches", "repeats", "base_samples_per_s", "head_samples_per_s"]))
+
+
+def compare(args, trees: dict[str, Path], tmp: Path, devices: int, hidden: int, steps: int,
+            mannwhitneyu) -> list[dict]:
+    """The two codes' launches, alternating, on P = ``devices`` and the MLP 64-``hidden``-10."""
+    collected: dict[str, list[dict]] = {"base": [], "head": []}
+    for launch in range(args.launches):
+        for side in ("base", "head") if launch % 2 == 0 else ("head", "base"):
+            result = tmp / f"{side}-{devices}-{hidden}-{launch}.json"
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(trees[side]), os.environ.get("PYTHONPATH", "")])}
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--devices", str(devices),
+                            "--hidden", str(hidden), "--steps", str(steps),
+                            "--child-result", str(result)], check=True, env=env)
+            for row in json.loads(result.read_text()):
+                collected[side].append({**row, "repeat": (launch, row["repeat"])})
+    config = {"devices": devices, "parameters": 75 * hidden + 10, "steps": steps}
     rows = []
     for mode in args.modes:
         base, head = ratios(collected["base"], mode), ratios(collected["head"], mode)
         launches = {side: per_launch(collected[side], mode) for side in collected}
-        rows.append({"mode": mode, "k": k_of(mode, args.devices), "base_vs_ddp": statistics.median(base),
-                     "head_vs_ddp": statistics.median(head), "head_over_base": statistics.median(head) /
-                     statistics.median(base),
+        rows.append({**config, "mode": mode, "k": k_of(mode, devices), "base_vs_ddp": statistics.median(base),
+                     "head_vs_ddp": statistics.median(head),
+                     "head_over_base": statistics.median(head) / statistics.median(base),
                      "mann_whitney_p": float(mannwhitneyu(launches["base"], launches["head"]).pvalue),
                      "launches": len(launches["base"]), "repeats": len(base), **absolute(collected, mode),
                      "base_per_repeat": " ".join(f"{x:.2f}" for x in base),
                      "head_per_repeat": " ".join(f"{x:.2f}" for x in head)})
-    rows.append({"mode": "ddp", "k": "", **absolute(collected, "ddp")})
-    print(f"\nbase {commits['base'][:7]} against head {commits['head'][:7]}, P = {args.devices}, "
-          f"MLP 64-{args.hidden}-10, {args.launches} launches of each, {args.repeats} repeats per launch; "
-          "samples/s over ddp's in the same repeat, median")
-    print(table(rows, ["mode", "k", "base_vs_ddp", "head_vs_ddp", "head_over_base", "mann_whitney_p", "launches",
-                       "repeats",
-                       "base_samples_per_s", "head_samples_per_s"]))
-    write_results(out, "against_commit", rows, {"base": commits["base"], "head": commits["head"],
-                                                 "wall_s": time.monotonic() - start})
+    rows.append({**config, "mode": "ddp", "k": "", **absolute(collected, "ddp")})
+    return rows
 
 
 if __name__ == "__main__":

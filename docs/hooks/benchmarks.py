@@ -61,7 +61,10 @@ SPECS: dict[str, dict[str, Any]] = {
                           ylabel="samples/s over ddp's"),
     "path_breakdown": dict(rows="summary", columns=None, plot="bar", label=["variant", "server"],
                            value="samples_per_s", ylabel="samples/s (all learners)"),
-    "against_commit": dict(columns=None, plot="bar", label=["mode", "k"], value="head_over_base",
+    "against_commit": dict(columns=["devices", "parameters", "steps", "mode", "k", "base_vs_ddp", "head_vs_ddp",
+                                    "head_over_base", "mann_whitney_p", "launches", "repeats",
+                                    "base_samples_per_s", "head_samples_per_s"],
+                           plot="bar", label=["devices", "parameters", "mode", "k"], value="head_over_base",
                            reference=1.0, ylabel="head's ratio to ddp over base's"),
     "record_minibatch_times": dict(columns=None, plot="bar", label=["learner"], value="mean_s",
                                    ylabel="mean seconds per mini-batch"),
@@ -232,10 +235,12 @@ def provenance(doc: dict[str, Any]) -> str:
     gpus = machine.get("gpus")
     where = (f"{len(gpus)} x {gpus[0]}, " if gpus else "") + f"{doc.get('cores')} CPU cores ({machine.get('cpu')})"
     lightning = doc.get("pytorch_lightning") or doc.get("lightning")
+    load = machine.get("loadavg_at_end")  # other jobs on the machine while it ran
+    busy = f"; load average at the end {load[0]:.1f} (1 min), {load[2]:.1f} (15 min)" if load else ""
     return "\n".join([
         f"- command: `{doc['command']}`",
         f"- commit: `{doc.get('commit')}`, run {doc.get('date')}",
-        f"- machine: {where}; torch {doc.get('torch')}, Lightning {lightning}",
+        f"- machine: {where}; torch {doc.get('torch')}, Lightning {lightning}{busy}",
     ])
 
 

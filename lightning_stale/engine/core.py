@@ -1,34 +1,12 @@
 """The one parameter server of every engine: the rules decide, the state applies, the core keeps
-the books.
+the books (docs/concepts/server.md).
 
-`ServerCore` is fed one event per gradient push (learner, version, loss, samples, and the
-gradient itself where the engine holds gradients) and does everything a parameter server does
-besides moving bytes: it asks `ServerRules` what the push means, keeps accepted gradients until
-their update, applies the update to a `ServerState` (with staleness-compensation weights), writes
-an `UpdateRecord`, lets AdaSync change K, ends epochs and stops at the Trainer's limits, removes
-learners that died, and counts. The virtual clock (`engine.simulated`) and the real server (`engine.distributed.server`)
-are this core plus a clock or a transport, so they cannot disagree about the method.
-
-The update is docs/method.md's rule (Dutta et al., AISTATS 2018):
-
-    w_{j+1} = w_j - (eta / K) * sum_{l=1..K} a_l g(w_{tau(l,j)}, xi_{l,j})
-
-with a_l = 1 unless staleness compensation weighs stale gradients (docs/method.md, "Beyond the
-base method"). An engine whose learners apply updates themselves passes no state: the core then
-decides and keeps the books, and the caller applies ``Outcome.update``.
-
-Epochs: an epoch ends after one pass worth of pushes (all learners together). It is a pause,
-not a restart (docs/method.md, "Setting": the paper's process has no epochs): nothing pending is
-dropped, no learner is cancelled or refreshed, and work in flight carries into the next epoch.
-The engine pauses the clock at the epoch's end and calls `begin_epoch` when training goes on;
-the time between (validation, checkpoints) is not training time: `running_time` excludes it, and
-so do the update records and ``mean_update_interval_s``.
-
-Observer: an optional object (``observer=``, e.g. `lightning_stale.replay.EventRecorder`) that
-the core tells, as they happen, about every push's decision, every update (its contributions in
-the order they were summed, their weights, the learning rates of the step), epoch ends, learners
-removed and the stop, so that every engine records its event log through this one place
-(docs/replay.md). Without one, nothing is called and nothing else changes.
+`ServerCore` takes one event per push, asks `ServerRules` what it means, applies updates to a
+`ServerState` (docs/method.md's rule, Dutta et al., AISTATS 2018, with staleness-compensation
+weights), records them, ends epochs (a pause, not a restart: `running_time` excludes it) and
+stops. The virtual clock and the real server are this core plus a clock or a transport, so they
+cannot disagree about the method. Without a state the caller applies ``Outcome.update``; an
+observer (`CoreObserver`) hears every event (docs/replay.md).
 """
 
 from __future__ import annotations
@@ -36,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 from torch import Tensor
 
@@ -46,6 +24,28 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.rules import Decision, ServerRules, Update
 from lightning_stale.method.variants import Variant
+
+
+class CoreObserver(Protocol):
+    """What an observer of a `ServerCore` implements (``observer=``; `replay.EventRecorder` is
+    one): the core calls these as things happen, after its books record them."""
+
+    def on_push(self, core: ServerCore, decision: Decision, clock: float, loss: float) -> None:
+        """A push was decided (accepted, dropped or unusable)."""
+
+    def on_update(self, core: ServerCore, update: Update, order: tuple[int, ...],
+                  weights: tuple[float, ...] | None, lrs: tuple[float, ...] | None) -> None:
+        """An update was applied: its gradients' ids in the order summed, their weights, and the
+        learning rates of the step (None where the core holds no state)."""
+
+    def on_epoch_end(self, core: ServerCore) -> None:
+        """An epoch ended."""
+
+    def on_remove_learner(self, core: ServerCore, learner: int, clock: float) -> None:
+        """A dead learner was removed."""
+
+    def on_stop(self, core: ServerCore, pending: tuple[int, ...]) -> None:
+        """Training stopped, with these pushes' gradients pending."""
 
 
 @dataclass
@@ -82,26 +82,13 @@ class Outcome:
 
 
 class ServerCore:
-    """Decisions, state and books of one run of one variant.
-
-    Args:
-        variant: the variant with K and P.
-        state: the authoritative parameters and optimizer, or None when the engine's learners
-            apply the updates themselves.
-        limits: when epochs end and training stops.
-        adaptive: an `AdaptiveK` schedule (limited to P), or None for a fixed K.
-        compensation: a `StalenessCompensation`, or None.
-        keep_snapshots: keep the flat parameters of every version a learner holds or a pending
-            gradient was computed at (`parameters_at`); the "norm" compensation implies it.
-        clock: the engine's clock at the start of training.
-        observer: told about pushes, updates, epoch ends and the stop (see the module
-            docstring), or None.
-    """
+    """Decisions, state and books of one run of one variant."""
 
     def __init__(self, variant: Variant, state: ServerState | None = None,
                  limits: ServerLimits | None = None, adaptive: AdaptiveK | None = None,
                  compensation: StalenessCompensation | None = None,
-                 keep_snapshots: bool = False, clock: float = 0.0, observer=None) -> None:
+                 keep_snapshots: bool = False, clock: float = 0.0,
+                 observer: CoreObserver | None = None) -> None:
         self.rules = ServerRules(variant)
         self.observer = observer
         self.state = state

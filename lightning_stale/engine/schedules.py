@@ -1,12 +1,8 @@
 """Lightning's LR scheduler configs, stepped by whoever applies the updates (the server, or every
-learner where an all-reduce combines the gradients) instead of by Lightning's loop.
-
-Intervals mean what Lightning's config says, counted in server updates: ``interval="step"``
-every ``frequency`` updates, ``"epoch"`` when an epoch's end is over (after its validation, as
-Lightning steps them), a ``ReduceLROnPlateau`` with the value of its ``monitor`` among the
-logged metrics (per update: the latest values reported; per epoch: those of the validation).
-With local updates (H inner steps per push) a server update counts as H steps, as
-``trainer.global_step`` does (docs/how-to/local-updates.md).
+learner where an all-reduce combines the gradients) instead of by Lightning's loop; intervals
+count server updates (``"step"``), epochs after validation (``"epoch"``), and a
+``ReduceLROnPlateau`` reads its ``monitor`` among the logged metrics. With local updates a server
+update counts as H steps, as ``trainer.global_step`` does (docs/how-to/local-updates.md).
 """
 
 from __future__ import annotations

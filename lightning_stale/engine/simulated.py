@@ -1,17 +1,10 @@
 """The server core on a virtual clock: P learners in one process, no Lightning.
 
 `SimulatedServer` is `ServerCore` driven by a `VirtualCluster` (docs/method.md, "Setting"): the
-cluster says which learner finishes its mini-batch next and at which virtual time; the caller
-computes that learner's gradient on the parameters it last pulled (`parameters_for`) and hands
-it to `push`; the core decides and applies exactly as in the real engine. Work that the real
-engine would cancel never finishes on the virtual clock, so it is never computed: a simulated
-run costs one gradient per push.
-
-Local updates (``local_steps`` = H > 1 or an outer optimizer, docs/how-to/local-updates.md): a
-push takes the sum of H mini-batch draws on the clock, the caller computes the H inner steps and
-pushes the pseudo-gradient, and ``inner_states`` keeps each learner's inner optimizer state
-between its pushes (a cancelled learner's abandoned steps are never computed, so its state is
-the one of its last push).
+caller computes the gradient of the learner that finishes next, on the parameters it last pulled
+(`parameters_for`), and hands it to `push`. Cancelled work is never computed. With local updates
+(docs/how-to/local-updates.md) a push takes the sum of H draws on the clock, the caller pushes
+the pseudo-gradient of H inner steps, and ``inner_states`` keeps each learner's inner optimizer.
 """
 
 from __future__ import annotations
@@ -27,18 +20,7 @@ from lightning_stale.method.virtual_clock import Finish, VirtualCluster
 
 
 class SimulatedServer:
-    """One simulated run of one variant.
-
-    Args:
-        state: the server's parameters and optimizer.
-        variant: the variant with K and P.
-        delay: straggler model with ``sample(learner)`` (seconds).
-        compute_time: virtual seconds added to every mini-batch.
-        adaptive: `AdaptiveK` schedule, or None for a fixed K.
-        compensation: `StalenessCompensation`, or None.
-        limits: the core's limits; epochs are ended by the caller (`end_epoch`).
-        local_steps: H, the mini-batches of one push (1: a push per mini-batch).
-    """
+    """One simulated run of one variant (``local_steps``: H mini-batches per push)."""
 
     def __init__(self, state: ServerState, variant: Variant, delay, compute_time: float = 0.0,
                  adaptive: AdaptiveK | None = None,

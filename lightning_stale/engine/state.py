@@ -1,20 +1,11 @@
 """The parameter server's authoritative state, and the flat vectors learners exchange with it.
 
-`ModelVectors` lays a module out as flat vectors: the trainable parameters (those that require a
-gradient when training starts) followed by the persistent buffers (BatchNorm statistics and the
-like), so that buffers travel with the parameters they belong to. A push carries the gradients,
-the learner's buffers and, only when some parameter got no gradient, a presence mask.
-
-`ServerState` owns the server's copies and applies docs/method.md's update
-
-    w_{j+1} = w_j - (eta / K) * sum_{l=1..K} a_l g(w_{tau(l,j)}, xi_{l,j})
-
-as "average the K gradients, then one step of the module's own optimizer". A parameter that no
-gradient of the update touched keeps ``grad = None``, so the optimizer leaves it alone exactly as
-under DDP (frozen layers, an unused head under weight decay). Buffers are the mean of the
-buffers pushed with the update's gradients (integer buffers: the largest), the server's choice
-documented in docs/concepts/server.md: every learner's statistics count, and learners that load the server's
-parameters load its buffers too.
+`ModelVectors` lays a module out as flat vectors: trainable parameters, then persistent buffers,
+plus a presence mask when some parameter got no gradient. `ServerState` applies docs/method.md's
+update rule (Dutta et al., 2018) as the mean of the K gradients, then one step of the module's
+own optimizer; a parameter no gradient touched keeps ``grad = None``, as under DDP. Buffers are
+the mean of those pushed with the update's gradients (integer buffers: the largest;
+docs/concepts/server.md).
 """
 
 from __future__ import annotations
@@ -49,12 +40,7 @@ class Contribution:
 
 
 class ModelVectors:
-    """Copies between a module and flat vectors (see the module docstring).
-
-    Args:
-        params: the trainable parameters, in module order.
-        buffers: the persistent buffers, in module order (empty: buffers do not travel).
-    """
+    """Copies between a module and flat vectors (see the module docstring)."""
 
     def __init__(self, params: Sequence[Tensor], buffers: Sequence[Tensor] = ()) -> None:
         self.params, self.buffers = list(params), list(buffers)
@@ -121,11 +107,8 @@ class ModelVectors:
 
     def push_vector(self, mask: bool = False, device: torch.device | None = None,
                     out: Tensor | Callable[[int], Tensor | None] | None = None) -> tuple[Tensor, bool]:
-        """Gradients (zeros where missing), buffers and, if some gradient is missing (or
-        ``mask``), a presence mask; and whether the mask is there. On ``device`` (default CPU),
-        written into ``out`` when it is given and has the right size (a recycled vector: a fresh
-        one of a large model costs a page-faulting allocation per push), or into what ``out``
-        returns for the size, if it is a callable (a place in shared memory, or None)."""
+        """Gradients (zeros where missing), buffers and, if some gradient is missing (or ``mask``), a presence mask;
+        and whether the mask is there."""
         device = torch.device("cpu") if device is None else device
         grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
                  for p in self.params]
@@ -167,17 +150,9 @@ class ModelVectors:
 
 
 def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor], only_mapped: bool = False) -> Optimizer:
-    """The same optimizer over the server's copies of the parameters (``mapping``: id of a
-    learner parameter -> its server copy; other tensors, e.g. frozen ones, are kept as they are,
-    or left out with ``only_mapped``: a shard of the parameters; every group is kept, even
-    emptied, so that per-group schedules still line up).
-
-    The optimizer's own class is built with the constructor arguments its ``defaults`` name (a
-    class whose ``defaults`` hold more than its constructor takes, like torch's AdamW, is fine);
-    a constructor that cannot be called that way is bypassed with a deep copy instead. Options a
-    constructor keeps as attributes outside ``defaults`` are copied over (neither way would
-    keep them: a deep copy of an `Optimizer` holds only its defaults, state and groups). Each
-    parameter's state (momentum, moments, step counts) is copied from the learner's optimizer."""
+    """The same optimizer over the server's copies of the parameters (``mapping``: id of a learner parameter -> its
+    server copy; other tensors, e.g. frozen ones, are kept as they are, or left out with ``only_mapped``: a shard
+    of the parameters; every group is kept, even emptied, so that per-group schedules still line up)."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates the loss several times per step, which a parameter "
                          "server cannot do: it applies gradients computed elsewhere. Use a "
@@ -222,23 +197,9 @@ _REBUILT = frozenset((
 class ServerState:
     """Authoritative parameters, buffers, optimizer and LR schedulers of a parameter server.
 
-    Args:
-        module: the learner's module; its trainable parameters and persistent buffers are copied.
-        optimizer: the optimizer Lightning built for ``module``; rebuilt over the copies.
-        schedulers: Lightning ``LRSchedulerConfig``s of that optimizer, stepped by the server
-            (`Schedules`: they stay on the learner's optimizer, where Lightning, callbacks such as
-            ``LearningRateMonitor`` and checkpoints read the schedule, and its options are
-            copied to the server's optimizer).
-        buffers: keep the module's buffers here (False where learners share one module).
-        clip: clips the averaged gradient before the step (the Trainer's gradient clipping, as
-            DDP applies it to its averaged gradient), or None.
-        tensors: indices of the trainable parameters this state holds (a shard of the server,
-            `paths.sharded.owner`); None: all of them.
-        outer: with local updates, builds the outer optimizer over the server's parameters
-            (`strategies.local_updates`): the contributions are pseudo-gradients, the server steps
-            it, and ``optimizer`` is the learners' inner one, whose schedulers the server steps
-            ``steps_per_update`` times per update. None: the server steps a copy of ``optimizer``.
-        steps_per_update: with ``outer``, the inner steps one update counts for (H).
+    With local updates, ``outer`` builds the outer optimizer over the server's parameters: the
+    contributions are pseudo-gradients, and the schedulers of ``optimizer`` (the learners' inner
+    one) are stepped ``steps_per_update`` times per update (docs/how-to/local-updates.md).
     """
 
     def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),

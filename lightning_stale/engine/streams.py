@@ -1,30 +1,10 @@
 """CUDA streams of the engine's own threads, and the hand-offs between them and the training thread.
 
-Why: on a GPU every thread of a process uses the device's default stream unless it picks
-another, and a collective of the default group (NCCL) makes that stream wait, on the GPU, until
-every rank has joined it. The server thread and the shard owners run beside the training thread.
-Were they to copy parameters to the host on the default stream, such a copy would queue behind a
-collective the training thread has just entered (``self.log(..., sync_dist=True)``, validation's
-reductions, the epoch's stop vote), and the other ranks, waiting for the very parameters that
-copy carries, would never join it: a deadlock across ranks. On a stream of their own the
-engine's threads depend on the training thread only through events recorded when a tensor
-changes hands (the CUDA semantics of streams and events, and of ``Tensor.record_stream`` for the
-caching allocator, are PyTorch's, docs "CUDA semantics", section "CUDA streams").
-
-Which streams: PyTorch hands streams out of pools of 32 per device and priority level, in turn
-(``torch.cuda.Stream``; c10/cuda/CUDAStream.cpp, ``kStreamsPerPool``, ``getStreamFromPool``), and
-NCCL's process groups take theirs from the same pools: the default level's, or the most urgent
-one's for a group that asks for high priority. Two users of one stream wait for each other on the
-GPU, and where one of them waits for its peers (a collective, a channel's payload) the other can
-deadlock across ranks. So the engine's streams (`engine_stream`) come from a level that neither
-kind of NCCL group uses (`ENGINE_PRIORITY`, where the device offers three levels or more:
-`separate_levels`), one per role and device, made once and kept for the process's life: however
-many fits a process runs, it never takes more than `engine_streams_needed` of them, and none of
-them is ever another's. The device channels' groups ask for the most urgent level
-(`engine.distributed.channels`). A new thread starts on GPU 0: every function here that touches
-a device sets it first, so no engine thread makes a CUDA context on another rank's GPU.
-
-On the CPU every function here does nothing.
+On the default stream an engine thread's copy would queue behind a collective the training thread
+entered, while the other ranks wait for that copy: a deadlock across ranks. So the engine's
+threads use streams of their own, from a priority level no NCCL group uses (`ENGINE_PRIORITY`,
+`separate_levels`), and hand tensors over with events (PyTorch docs, "CUDA semantics", "CUDA
+streams"; pools of 32 streams per level, c10/cuda/CUDAStream.cpp). On the CPU nothing here acts.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
+from lightning_stale.engine.distributed.messages import Flag, Kind, Order, ShardData, text_payload
 from lightning_stale.engine.distributed.paths.sharded.owner import ShardLayout, ShardOwner
 from lightning_stale.engine.state import ServerState
 
@@ -50,16 +50,16 @@ def make_owner(rank=0, p=1, lr=1.0, schedulers=()):
 
 
 def piece(learner, seq, values):
-    return Message(Kind.PIECE, learner, 0, seq=seq, payload=torch.tensor(values))
+    return ShardData(Kind.PIECE, learner, 0, seq=seq, payload=torch.tensor(values))
 
 
 def apply(version, *orders):
-    return Message(Kind.APPLY, version=version,
+    return Order(Kind.APPLY, version=version,
                    payload=torch.tensor([list(o) for o in orders], dtype=torch.float64).reshape(-1))
 
 
 def retire(owner):
-    owner.commands.put(Message(Kind.RETIRE))
+    owner.commands.put(Order(Kind.RETIRE))
     assert owner.join(5.0)
 
 
@@ -107,7 +107,7 @@ def test_pieces_older_than_an_applied_one_of_the_same_learner_are_dropped():
 
 def test_a_send_order_gives_the_learner_this_owners_slice_of_the_current_version():
     owner, state, mesh, _, _ = make_owner()
-    owner.commands.put(Message(Kind.SEND, 3, delivery=7))
+    owner.commands.put(Order(Kind.SEND, 3, delivery=7))
     retire(owner)
     (peer, slice_), = mesh.sent
     assert peer == 3 and slice_.kind == Kind.SLICE and slice_.delivery == 7 and slice_.version == 0
@@ -122,8 +122,8 @@ def test_schedules_follow_the_servers_epochs_and_gather_sends_the_state_to_rank_
     mesh = RecordingMesh()
     owner = ShardOwner(0, state, mesh)
     owner.start(Endpoint())
-    owner.commands.put(Message(Kind.SCHEDULE, epoch=1, payload=text_payload(json.dumps({"loss": 1.0}))))
-    owner.commands.put(Message(Kind.GATHER, delivery=4))
+    owner.commands.put(Order(Kind.SCHEDULE, epoch=1, payload=text_payload(json.dumps({"loss": 1.0}))))
+    owner.commands.put(Order(Kind.GATHER, delivery=4))
     retire(owner)
     assert state.optimizer.param_groups[0]["lr"] == 0.5
     (to0, vector), (to0b, saved) = mesh.sent

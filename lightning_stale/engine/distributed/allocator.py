@@ -1,20 +1,10 @@
 """Freed memory kept for reuse while the engine moves whole-model vectors.
 
-Every push, answer and parameter snapshot of the central path is a fresh vector of the model's
-size (of the sharded path, a slice of one), allocated while the previous ones are still alive
-(queued for a send, held by an update). glibc's malloc serves an allocation that large with
-``mmap`` (always above 32 MB, its largest threshold) and trims the heap's free top back to the
-system, so such vectors keep arriving as fresh pages, each faulted in on first write, on the
-server thread and the receiving threads: several times the cost of the copy itself.
-`hold_freed_memory` turns that off (``mallopt``: no ``mmap`` for blocks, no trimming), so freed
-vectors are reused in place; the path_breakdown benchmark page has the measurement.
-
-The cost: memory the process frees stays with it for reuse (its peak, not a leak). The setting
-stays for the process's life: glibc cannot say what its settings were, and setting its defaults
-back would also switch off its adaptive threshold, leaving a later fit (stock DDP's included)
-worse off than before. Elsewhere than glibc (musl, macOS, Windows) this does nothing. PyTorch's
-advice for CPU training, a caching allocator such as jemalloc or tcmalloc loaded with
-``LD_PRELOAD``, has the same effect for the whole process.
+glibc's malloc serves vectors of the model's size with ``mmap`` and trims freed memory back to
+the system, so every push, answer and snapshot arrives as fresh pages faulted in on first write:
+several times the copy's cost (docs/benchmarks/path_breakdown.md). `hold_freed_memory` turns
+that off for the process's life (its peak stays with it, not a leak); elsewhere than glibc it does
+nothing. A caching allocator (jemalloc, tcmalloc via ``LD_PRELOAD``) has the same effect.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Payloads straight from device to device: a point-to-point group for every direction between
-two ranks, on the default group's backend (NCCL on GPUs).
+two ranks, on the default group's backend (NCCL on GPUs; gloo on the CPU, where the tests run).
 
-The header of a message still travels on the server traffic's gloo group (`transport`); where a
-channel to the receiver exists, a payload too large for the header's frame, on the channel's
-kind of device, follows it on that channel: on GPUs, instead of being copied to host memory,
-sent over gloo and copied back. Why a group per direction, not per
-pair: NCCL runs the point-to-point operations of one communicator in order on one stream, so a
-pair whose two ranks both send first (a push up while an answer comes down) would wait for each
-other's receives forever; and in each direction one sending thread and one receiving thread
-post the payloads in the order of their headers, which is the order NCCL pairs them in.
-
-Streams (`engine.streams`): a sender waits on the host until its payload is complete before it
-posts the send, and a channel's operations run on a stream of its own, so nothing on a channel
-waits on the GPU for another stream (where the training thread's collectives may hold it); a
-received payload is handed to its reader with an event (``Message.ready``). A NCCL group runs
-its operations on a stream of its own too, from PyTorch's pools: the channels' groups ask for the
-most urgent priority level, which neither the default group nor the engine's streams use, so that
-no channel ever shares a stream with another channel or a collective (`channel_backend` in
-`paths.registry` keeps their number within a pool). A fit that ends cleanly destroys its channels' groups
-(`close_channels`).
-
-On the CPU the channels are gloo groups carrying host tensors: the same code, which the tests run
-(`StaleStrategy(payload_channels=True)`).
+Headers still travel over gloo (`transport`); a large payload follows on the channel. One group
+per direction, not per pair: NCCL runs one communicator's point-to-point operations in order on
+one stream, so two ranks sending first would wait for each other. The channels' groups take the
+most urgent stream priority, which nothing else uses (`engine.streams`, docs/how-to/gpus.md).
 """
 
 from __future__ import annotations
@@ -76,10 +59,9 @@ def carried(channels: dict[tuple[int, int], Channel]) -> int:
 def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, device: torch.device,
                   timeout: datetime.timedelta, first_numel: int = 1,
                   setup_timeout: datetime.timedelta | None = None) -> dict[tuple[int, int], Channel]:
-    """A `Channel` for every direction of ``pairs`` that involves ``rank``, keyed by (sender,
-    receiver), each one already used once (`_first_exchange`, ``first_numel`` values, within
-    ``setup_timeout``: None, torch's default); collective: every rank calls it with the same
-    pairs (each group is created by all)."""
+    """A `Channel` for every direction of ``pairs`` that involves ``rank``, keyed by (sender, receiver), each one
+    already used once (`_first_exchange`, ``first_numel`` values, within ``setup_timeout``: None, torch's default);
+    collective: every rank calls it with the same pairs (each group is created by all)."""
     pairs = list(pairs)
     channels = {}
     for src, dst in pairs:
@@ -114,15 +96,10 @@ def close_channels(channels: dict[tuple[int, int], Channel]) -> None:
 
 def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tuple[int, int], Channel],
                     device: torch.device, numel: int, limit: datetime.timedelta) -> None:
-    """A vector of ``numel`` values over every channel, before training: NCCL creates a group's
-    communicator at its first operation, and creating one allocates device memory, which can
-    wait for kernels already running; were that to happen in an engine thread during training,
-    beside a collective of the training thread that waits for the very peer being set up,
-    neither could finish. (NCCL >= 2.22 also connects each protocol at its first use, picked by
-    size: hence a payload's size, not one value.) Here every rank is at the same place, nothing
-    else runs, and the pairs go in the same order on every rank, so each exchange finds its peer
-    (an exchange waits only for its two ranks, and the earliest one not done has both of them at
-    it)."""
+    """A vector of ``numel`` values over every channel, before training: NCCL creates a group's communicator at its
+    first operation, and creating one allocates device memory, which can wait for kernels already running; were
+    that to happen in an engine thread during training, beside a collective of the training thread that waits for
+    the very peer being set up, neither could finish."""
     for src, dst in pairs:
         channel = channels.get((src, dst))
         if channel is None:

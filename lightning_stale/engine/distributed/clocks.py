@@ -30,17 +30,7 @@ class MessageLatency:
 
 
 class MiniBatchClock:
-    """When the current mini-batch's time X began, and how much of a drawn delay is left.
-
-    With ``total`` (``delay_mode="total"``), a drawn delay is the mini-batch's whole time X as
-    the server sees it, from the server event that started the mini-batch to the arrival of its
-    gradient (docs/method.md, "Setting"). The server's processing (a message's ``age``), the
-    downlink, waking up, Lightning's step, forward, backward and the uplink to come all count
-    toward it: the start is the server event, moved back by the message's age and the measured
-    round trip (`MessageLatency`). A learner that goes on right after its own push (K-batch-sync)
-    starts at that push. Without ``total``, the whole draw is added after the computation.
-    A pause (an epoch's end) does not count: `resume` moves the start by its length.
-    """
+    """When the current mini-batch's time X began, and how much of a drawn delay is left."""
 
     def __init__(self, total: bool) -> None:
         self.total = total

@@ -1,11 +1,8 @@
 """A message's frame on the wire, and the routes its payload takes (`PayloadRoutes`).
 
-A message is one frame: the header (`messages.HEADER`) with the payload behind it when the
-payload is small (up to INLINE_PAYLOAD_BYTES), else the header alone followed by the payload:
-as a second gloo message, through shared memory (`lanes`) between processes of one host, or on
-a device channel (`channels`) from device to device. The receiver posts a FRAME_BYTES buffer;
-gloo accepts a shorter message into it. Which of these routes a rank has is chosen once, by
-`open_routes`; `send` and `recv` then take the route a payload's size and device call for.
+A frame is the header with a small payload inside (up to INLINE_PAYLOAD_BYTES), else the header
+alone, the payload following as a second gloo message, in shared memory (`lanes`) or on a device
+channel (`channels`). `open_routes` chooses a rank's routes once; `send` and `recv` take them.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ from lightning_stale.engine.distributed.messages import (
     INLINE_PAYLOAD_BYTES,
     ON_CHANNEL,
     SEPARATE,
+    Envelope,
     Kind,
-    Message,
     TransportError,
     decode_header,
     encode_header,
@@ -64,10 +61,7 @@ class PayloadRoutes:
 def open_routes(rank: int, group, pairs: list[tuple[int, int]], backend: str | None, vectors: ModelVectors, *,
                 through_endpoints: bool, shared_memory: bool, lanes: dict | None = None,
                 setup_timeout: datetime.timedelta | None = None) -> PayloadRoutes:
-    """This rank's routes (collective over ``group``: every rank calls it). Device channels on
-    ``pairs`` where ``backend`` names one (every rank creates every group, in this order);
-    shared-memory lanes where the endpoints carry payloads that outgrow a frame and no channel
-    carries them (``lanes``: those opened already, `paths.registry.settle_path`)."""
+    """This rank's routes (collective over ``group``: every rank calls it)."""
     channels = {}
     if backend and group is not None:
         channels = open_channels(rank, pairs, backend, vectors.device, CHANNEL_TIMEOUT,
@@ -90,14 +84,11 @@ def _carrier(payload: Tensor | None, channel: Channel | None) -> Channel | None:
     return channel
 
 
-def encode(message: Message, lane: Lane | None = None,
+def encode(message: Envelope, lane: Lane | None = None,
            closed: Callable[[], str | None] = lambda: None,
            channel: Channel | None = None) -> tuple[Tensor, Tensor | None]:
-    """The frame to send first (header, and the payload if it is small) and the payload to send
-    after it (on ``channel``, where there is one), or None. A large payload goes on ``channel``
-    where there is one, else into ``lane`` where it fits (waiting for a free slot until
-    ``closed`` gives a reason); a CUDA payload that does not go on a channel is copied to host
-    memory first."""
+    """The frame to send first (header, and the payload if it is small) and the payload to send after it (on
+    ``channel``, where there is one), or None."""
     payload = None if message.payload is None else message.payload.reshape(-1)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
     channel = _carrier(payload, channel)
@@ -118,7 +109,7 @@ def encode(message: Message, lane: Lane | None = None,
     return frame, payload
 
 
-def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
+def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Envelope, int, torch.dtype, int]:
     """The message of a received frame, its payload's size and dtype, and where the payload is
     (`SEPARATE`, `INLINE`: then it is set on the message, as a copy, or `IN_LANE`)."""
     message, numel, dtype, where = decode_header(frame.numpy(), sender, max_numel)  # (read in place)
@@ -131,7 +122,7 @@ def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Message, int, to
     return message, numel, dtype, where
 
 
-def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | None = None,
+def send(message: Envelope, dst: int, group, tags: tuple[int, int], lane: Lane | None = None,
          closed: Callable[[], str | None] = lambda: None, channel: Channel | None = None) -> None:
     frame, payload = encode(message, lane, closed, channel)
     dist.send(frame, dst=dst, group=group, tag=tags[0])
@@ -144,11 +135,11 @@ def send(message: Message, dst: int, group, tags: tuple[int, int], lane: Lane | 
 
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
          buffer: Tensor | None = None, lane: Lane | None = None, lend: tuple[Kind, ...] = (),
-         channel: Channel | None = None) -> Message:
+         channel: Channel | None = None) -> Envelope:
     """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop;
     ``lane``: the sender's shared-memory lane to this process, if any; messages of the kinds in
     ``lend`` keep their payload there (`Lane.lend`); ``channel``: the sender's channel to this
-    process, if any (its payloads come with ``Message.ready``)."""
+    process, if any (its payloads come with ``Envelope.ready``)."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
     dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
     message, numel, dtype, where = decode(frame, sender, max_numel)

@@ -1,27 +1,10 @@
 """Large payloads between the server and a learner on the same host, through shared memory.
 
-On the central path every push of a remote learner and every answer to it carries the whole
-model (docs/benchmarks/path_breakdown.md). Over gloo on one host that is loopback TCP: the
-sender's copy into the kernel waits for the receiving thread to drain the socket, which on busy
-cores holds the learner for milliseconds per push. A lane is a file in ``/dev/shm`` mapped by both
-processes: the sender copies the payload into a free slot and sends only the header over gloo
-(``inline`` = `messages.IN_LANE`); the receiving thread copies the payload out and marks the slot free.
-Headers still travel over gloo, in order, so the protocol, its checks and its failure detection
-are unchanged, and a payload that does not fit a slot travels over gloo as before.
-
-Setting up (`open_lanes`, collective over the server's group): every remote learner creates its
-file (space reserved with ``posix_fallocate``, so that a full ``/dev/shm`` fails here and not
-with a SIGBUS later), rank 0 maps the files whose random token it can read back (only a process
-on the same host can), every rank learns which pairs have lanes, and the files are unlinked at
-once: the mappings live on, and nothing is left in ``/dev/shm`` after the run. Where a file
-cannot be made (no ``/dev/shm``, too little space) that learner talks over gloo.
-
-Each lane has one writing thread (a learner's pushes are serialised; the server has one sender
-per learner) and one reading thread, and `SLOTS` slots used in turn: slot n % SLOTS is free once
-the reader has read message n - SLOTS. Headers leave after the payload is written (a gloo send
-is a system call, so the reader sees the bytes), and the reader frees a slot after its copy, or, for a payload it
-borrows in place (`LentPayload`: the parameters a learner loads, with no copy out of the slot
-first), once it has been used or copied out.
+A lane is a file in ``/dev/shm`` mapped by both processes (unlinked once mapped): the sender copies
+a payload into a free slot and sends only the header over gloo (``inline`` = `messages.IN_LANE`),
+sparing loopback TCP's copies (docs/benchmarks/path_breakdown.md). Each lane has one writing and
+one reading thread and `SLOTS` slots used in turn: slot n % SLOTS is free once message n - SLOTS
+was read, copied out, or used in place (`LentPayload`). A learner without a file talks over gloo.
 """
 
 from __future__ import annotations
@@ -54,12 +37,7 @@ class LaneClosed(TransportError):
 
 
 class Lane:
-    """One direction between two processes: `SLOTS` slots of ``slot_bytes`` bytes each.
-
-    Args:
-        storage: uint8 shared memory of `lane_bytes` (``slot_bytes``), from `LaneFile`.
-        slot_bytes: the capacity of a slot (a multiple of 64, so every dtype's view is aligned).
-    """
+    """One direction between two processes: `SLOTS` slots of ``slot_bytes`` bytes each."""
 
     def __init__(self, storage: Tensor, slot_bytes: int) -> None:
         self.control = storage[:_CONTROL].view(torch.int64)
@@ -147,18 +125,7 @@ class Lane:
 
 
 class LentPayload:
-    """A message's payload borrowed in place from a lane's slot (`Lane.lend`).
-
-    A learner loads the server's parameters straight out of the slot (`use`), where the receiving
-    thread would otherwise copy them out first: one copy of the model fewer per answer on the
-    learner's round trip (docs/benchmarks/path_breakdown.md). The slot is the writer's again
-    once the payload was used, or copied out (`keep`): the reader keeps a payload still unused
-    when it takes the next one (`Lane.read`, `Lane.lend`), because the server's sender may soon
-    need its slot (a payload held for later, like parameters deferred over a pause, must not
-    block the server).
-    One lock orders the two, so a payload is never copied out while it is being loaded, nor
-    loaded from a slot given back.
-    """
+    """A message's payload borrowed in place from a lane's slot (`Lane.lend`)."""
 
     def __init__(self, lane: Lane, message) -> None:
         self._lane, self._message = lane, message
@@ -250,12 +217,8 @@ class LaneFile:
 
 def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
                directory: str = SHM_DIR, all_or_none: bool = False) -> dict[int, tuple[Lane, Lane]]:
-    """The lanes between the server (rank 0) and every remote learner on its host; collective
-    over ``group`` (every rank calls it).
-
-    Returns this rank's lanes by peer, as (to send on, to receive on): on rank 0 one pair per
-    learner that has them, on a learner at most one (peer 0). ``all_or_none``: none on any rank
-    unless every remote learner has them (every rank then knows the same)."""
+    """The lanes between the server (rank 0) and every remote learner on its host; collective over ``group`` (every
+    rank calls it)."""
     made, token = None, 0
     if rank != 0 and enabled:
         try:

@@ -1,25 +1,11 @@
 """A learner's side of the protocol: push a gradient, wait for the answer, obey the server.
 
-One `Learner` lives in every Trainer process. After Lightning's closure has run forward and
-backward, `Learner.step` draws the injected straggler delay, pushes the gradient with the version
-it was computed at, and blocks until the server answers (new parameters, or leave to go on). A
-message that arrives before the push changes the plan: new parameters cancel the work (sync
-family), the stop ends it, and an epoch's end pauses it.
-
-An epoch's end is a pause of the whole process (docs/method.md, "Setting"; docs/concepts/server.md
-states the rule): the mini-batch in flight (computed, or in its delay, or waiting for its answer) is
-carried into the next epoch and finished first (`resume`); a mini-batch that Lightning starts
-after the epoch ended (its loader had already fetched it) is discarded and counted; the pause is
-excluded from every clock. Validation runs on the server's parameters (`enter_validation`),
-after the roll call where learners may die (`confirm_epoch_end`). A learner whose answer ends
-the epoch pauses at that answer (`_absorb`), so what it carries or discards there never depends
-on when the epoch's message arrives.
-
-Failures: an ABORT from the server, a broken connection, or a server silent for longer than
-``server_timeout`` raise `ServerFailed` (`RunInterrupted` for a signal) in the learner's thread.
-A signal is no failure: `interrupt` asks the server to stop the run, its INTERRUPT (kept in
-``interrupted``) comes before its STOP, and the learner leaves through the goodbye protocol.
-Where the learner stands is its `phases.Phase`, moved only as `phases.MOVES` allows.
+`Learner.step` runs after Lightning's closure: it draws the injected delay, pushes the gradient
+with its version and waits for the answer; new parameters cancel work (sync family), a stop ends
+it, an epoch's end pauses it (docs/method.md, "Setting"; docs/concepts/server.md: work in flight
+is carried over, a mini-batch started after the end is discarded, the pause is on no clock).
+Failures raise `ServerFailed` (`RunInterrupted` for a signal). Where the learner stands is its
+`phases.Phase`, moved only as `phases.MOVES` allows.
 """
 
 from __future__ import annotations
@@ -41,21 +27,10 @@ from lightning_stale.engine.state import ModelVectors
 
 
 class Learner:
-    """Args:
-        endpoint: this rank's transport.
-        vectors: the module's parameters and buffers as flat vectors.
-        exchange: how gradients leave and parameters arrive: the path's learner side
-            (`paths.base.LearnerSide`).
-        delay: a straggler model (``sample(rank)``), or None.
-        waits_for_answer: False where the variant needs no answer to a push (K-batch-sync, see
-            `Variant.pusher_needs_answer`): the learner goes straight on to its next mini-batch.
-        delay_is_total: the drawn delay is the mini-batch's whole time X (see `MiniBatchClock`).
-        server_error: returns the error of the server thread on this rank, if it failed.
-        server_timeout: seconds of silence after which the server is taken for dead.
-        roll_call: report at every epoch's end and, before validating, wait until the server
-            has heard every learner still alive (`confirm_epoch_end`; ``on_learner_failure=
-            "continue"``, where a learner may die and its death must be known by then).
-    """
+    """One rank's learner: ``exchange`` is the path's learner side, ``delay`` a straggler model
+    (``sample(rank)``) or None, ``waits_for_answer`` False where the variant needs no answer to a
+    push (`Variant.pusher_needs_answer`), ``roll_call`` (``on_learner_failure="continue"``): report
+    at every epoch's end and validate once the server has heard every learner alive."""
 
     def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
                  exchange: LearnerSide, waits_for_answer: bool = True, delay_is_total: bool = False,
@@ -140,10 +115,7 @@ class Learner:
                 return [m for m in messages if m.kind != Kind.HEARTBEAT]
 
     def _absorb(self, messages: list[Message]) -> Events:
-        """What ``messages`` mean for the work in progress, taken in order. An answer that counts
-        one more epoch than the last ended it, and the server's EPOCH follows at once: it is
-        waited for here, so the learner pauses at that update, before its loader draws another
-        mini-batch (else what is carried or discarded there would depend on timing)."""
+        """What ``messages`` mean for the work in progress, taken in order."""
         events = self._take(messages)
         while events.epoch_ending and not (events.paused or events.stopped or self.paused):
             events.merge(self._take(self._wait(None)))
@@ -346,11 +318,9 @@ class Learner:
 
     # ------------------------------------------------------------------ epochs
     def confirm_epoch_end(self, timeout: float) -> None:
-        """Paused at an epoch's end, wait for the server's answer to the roll call (``roll_call``):
-        every learner alive has reported, the dead are counted in ``dead_learners``, before
-        Lightning's collectives (which a death noticed later would fail). Other messages wait
-        for `resume`, in order; a STOP ends the wait. A learner frozen before it reported holds
-        the answer up: after ``timeout`` seconds (those collectives' bound) `TimeoutError`."""
+        """Paused at an epoch's end, wait for the server's answer to the roll call (``roll_call``): every learner
+        alive has reported, the dead are counted in ``dead_learners``, before Lightning's collectives (which a
+        death noticed later would fail)."""
         epoch, deadline = self._reported, time.monotonic() + timeout
         while epoch is not None and self._roll_answered < epoch and not self._stop_waits():
             remaining = deadline - time.monotonic()

@@ -1,9 +1,8 @@
 """Messages between learners and the parameter server, and their wire header.
 
-A message is a fixed-size header of named fields (`HEADER`, packed with `struct`) and an optional
-flat tensor payload. The header starts with a magic number and the protocol version, and every
-field is checked when a frame is decoded (`decode_header`): a frame that does not parse ends the
-run with a `TransportError` naming the sender. Nothing received is ever unpickled or executed.
+A message is a fixed-size header of named fields (`HEADER`, packed with `struct`, starting with a
+magic number and the protocol version, checked by `decode_header`) and an optional flat tensor
+payload. Nothing received is ever unpickled or executed.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, fields, replace
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -106,101 +105,118 @@ class Flag(IntEnum):
 
 
 @dataclass
-class Message:
-    """One message. Wire fields are those of `HEADER` (plus the payload); the rest is local.
-
-    Attributes:
-        kind: what the message is (`Kind`).
-        learner: the learner it comes from (uplink) or goes to (downlink).
-        version: PUSH: the version the gradient was computed at; downlink: the parameters'.
-        epoch: downlink: epochs the server has ended so far.
-        samples: PUSH: the mini-batch size (all its micro-batches).
-        cancelled: BYE: computations the learner threw away before pushing them.
-        flags: a sum of `Flag` values.
-        dead: downlink: how many learners have died so far (``on_learner_failure="continue"``).
-        seq: PUSH, PIECE: the learner's push counter (the sharded path pairs them by it).
-        delivery: a sliced downlink message and its SLICEs, paired by this number; GATHER and
-            STATE likewise.
-        loss: PUSH: the mini-batch's training loss (NaN when unknown).
-        pushes, hold: downlink, for the learner's estimate of its message latency (NTP-style,
-            one clock per side): pushes received from this learner so far, and the seconds from
-            the server receiving the latest of them to sending this message.
-        age: downlink: seconds from the arrival of the push this message answers (the paper's
-            instant of the update or cancellation) to sending it: the server's own time.
-        payload: a flat tensor, or None.
-        error: FAILED, ABORT, INTERRUPT: what broke or which signal stopped the run (travels
-            as the payload); PUSH with UNUSABLE: the drop reason.
-        caused_at: server side: ``time.monotonic()`` of the arrival ``age`` counts from.
-        received_at: ``time.monotonic()`` when the receiving side got it.
-        lent: the payload is still in the sender's shared-memory slot (`lanes.LentPayload`):
-            read it through ``lent.use``, or ``lent.keep`` it first; None: the payload is owned.
-        ready: a CUDA payload handed to another thread of this process: the event after which
-            it is complete (`engine.streams.mark`; the receiver calls `engine.streams.receive`).
-    """
+class Envelope:
+    """What every conversation's message has: its kind (`Kind`), a flat tensor payload or None, and
+    what the receiving side notes (the wire carries the kind and the payload only)."""
 
     kind: Kind
-    learner: int = 0
-    version: int = 0
-    epoch: int = 0
-    samples: int = 0
-    cancelled: int = 0
-    flags: int = 0
-    dead: int = 0
-    seq: int = 0
-    delivery: int = 0
-    loss: float = 0.0
-    pushes: int = 0
-    hold: float = 0.0
-    age: float = 0.0
+    _: KW_ONLY
     payload: Tensor | None = None
-    error: str = ""
-    caused_at: float = 0.0
-    received_at: float = 0.0
+    error: str = ""  # FAILED, ABORT, INTERRUPT: what broke, or the signal (travels as the payload)
+    received_at: float = 0.0  # ``time.monotonic()`` when the receiving side got it
+    # the payload is still in the sender's shared-memory slot: ``lent.use`` it, or ``lent.keep`` it
     lent: LentPayload | None = None
+    # a CUDA payload handed to another thread: complete after this event (`engine.streams.mark`)
     ready: torch.cuda.Event | None = None
 
 
-def encode_header(message: Message, payload: Tensor | None, inline: int) -> bytes:
+@dataclass
+class Message(Envelope):
+    """Learner <-> server: PUSH, BYE, HALT, PRESENT, INTERRUPT, ABORT up; PARAMS, CONTINUE, EPOCH,
+    STOP, HEARTBEAT, PRESENT, INTERRUPT, ABORT down (FAILED: made locally)."""
+
+    learner: int = 0  # the learner it comes from (uplink) or goes to (downlink)
+    version: int = 0  # PUSH: the version the gradient was computed at; downlink: the parameters'
+    epoch: int = 0  # downlink: epochs the server has ended so far
+    samples: int = 0  # PUSH: the mini-batch size (all its micro-batches)
+    cancelled: int = 0  # BYE: computations the learner threw away before pushing them
+    flags: int = 0  # a sum of `Flag` values
+    dead: int = 0  # downlink: learners dead so far (``on_learner_failure="continue"``)
+    seq: int = 0  # PUSH: the learner's push counter (the sharded path pairs its pieces by it)
+    delivery: int = 0  # a SLICED downlink message: the delivery its SLICEs belong to
+    loss: float = 0.0  # PUSH: the mini-batch's training loss (NaN when unknown)
+    # downlink, for the learner's NTP-style latency estimate: pushes received from this learner,
+    # and the seconds from the server receiving the latest to sending this message
+    pushes: int = 0
+    hold: float = 0.0
+    age: float = 0.0  # downlink: seconds from the arrival of the push it answers to sending it
+    caused_at: float = 0.0  # server side: ``time.monotonic()`` of the arrival ``age`` counts from
+
+
+@dataclass
+class ShardData(Envelope):
+    """Between learners and shard owners (the sharded path's mesh): PIECE (learner -> owner),
+    SLICE (owner -> learner), STATE (owner -> rank 0); RETIRE ends a mesh connection."""
+
+    learner: int = 0  # PIECE: its learner; SLICE: the learner it goes to; STATE: the owner
+    version: int = 0  # SLICE, STATE: the version of the parameters
+    seq: int = 0  # PIECE: the learner's push counter
+    delivery: int = 0  # SLICE: the delivery it belongs to; STATE: the gather request
+    flags: int = 0  # PIECE: MASKED; STATE: OPTIMIZER
+
+
+@dataclass
+class Order(Envelope):
+    """The server's orders to the shard owners: APPLY, SEND, SCHEDULE, GATHER, RETIRE."""
+
+    learner: int = 0  # SEND: the learner to send the slice to
+    version: int = 0  # APPLY: the version the update makes
+    epoch: int = 0  # SCHEDULE: the epochs ended
+    delivery: int = 0  # SEND: the delivery; GATHER: the request
+    flags: int = 0  # SCHEDULE: PER_UPDATE
+
+
+# Each kind belongs to one conversation; a header decodes to that conversation's type.
+_TYPE_OF = {**dict.fromkeys(Kind, Message), **dict.fromkeys((Kind.PIECE, Kind.SLICE, Kind.STATE), ShardData),
+            **dict.fromkeys(OWNER_KINDS, Order)}
+_WIRE: dict[type, frozenset[str]] = {cls: frozenset(f.name for f in fields(cls)) for cls in (ShardData, Order)}
+
+
+def encode_header(message: Envelope, payload: Tensor | None, inline: int) -> bytes:
     """``inline``: where the payload travels (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`)."""
     numel, dtype = (0, 0) if payload is None else (payload.numel(), _DTYPE_CODES.get(payload.dtype))
     if dtype is None:
         raise ValueError(f"a payload of dtype {payload.dtype if payload is not None else None} cannot "
                          f"travel; the header carries {', '.join(map(str, DTYPES))}")
-    return _STRUCT.pack(MAGIC, PROTOCOL, int(message.kind), *_ints_of(message), numel, dtype, int(inline),
-                        *_floats_of(message))
+    if type(message) is Message:  # (the hot path: a push or an answer)
+        ints, floats = _ints_of(message), _floats_of(message)
+    else:  # the header's fields this conversation lacks are zero
+        ints, floats = (tuple(getattr(message, n, 0) for n in names) for names in (_INTS, _FLOATS))
+    return _STRUCT.pack(MAGIC, PROTOCOL, int(message.kind), *ints, numel, dtype, int(inline), *floats)
 
 
-def decode_header(data, sender: str, max_numel: int) -> tuple[Message, int, torch.dtype, int]:
-    """The message of a header at the start of ``data`` (bytes, or any buffer: a receive buffer
-    is read in place), its payload's size and dtype, and where the payload travels (`SEPARATE`,
-    `INLINE`, `IN_LANE` or `ON_CHANNEL`).
-
-    Raises `TransportError` naming ``sender`` for anything that is not a header of this protocol:
-    a short frame, a wrong magic number or protocol version, an unknown kind or dtype, or a
-    payload larger than ``max_numel`` or of negative size."""
+def decode_header(data, sender: str, max_numel: int) -> tuple[Envelope, int, torch.dtype, int]:
+    """The message of a header at the start of ``data`` (bytes, or any buffer: a receive buffer is read in place), its
+    payload's size and dtype, and where the payload travels (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`)."""
     if len(data) < HEADER_BYTES:
         raise TransportError(f"{sender} sent a frame of {len(data)} bytes, shorter than a header "
                              f"({HEADER_BYTES} bytes)")
     values = _STRUCT.unpack_from(data)
-    fields = dict(zip(_NAMES, values))
-    if fields["magic"] != MAGIC:
+    header = dict(zip(_NAMES, values))
+    if header["magic"] != MAGIC:
         raise TransportError(f"{sender} sent a frame that is not a lightning_stale message "
-                             f"(magic {fields['magic']:#x})")
-    if fields["protocol"] != PROTOCOL:
-        raise TransportError(f"{sender} speaks protocol version {fields['protocol']}, this process "
+                             f"(magic {header['magic']:#x})")
+    if header["protocol"] != PROTOCOL:
+        raise TransportError(f"{sender} speaks protocol version {header['protocol']}, this process "
                              f"{PROTOCOL}: run the same lightning_stale version on every node")
-    if fields["kind"] not in _RECEIVED_KINDS:
-        raise TransportError(f"{sender} sent a message of unknown kind {fields['kind']}")
-    if not 0 <= fields["dtype"] < len(DTYPES):
-        raise TransportError(f"{sender} sent a payload of unknown dtype code {fields['dtype']}")
-    if not 0 <= fields["numel"] <= max_numel:
-        raise TransportError(f"{sender} announced a payload of {fields['numel']} values; at most "
+    if header["kind"] not in _RECEIVED_KINDS:
+        raise TransportError(f"{sender} sent a message of unknown kind {header['kind']}")
+    if not 0 <= header["dtype"] < len(DTYPES):
+        raise TransportError(f"{sender} sent a payload of unknown dtype code {header['dtype']}")
+    if not 0 <= header["numel"] <= max_numel:
+        raise TransportError(f"{sender} announced a payload of {header['numel']} values; at most "
                              f"{max_numel} are expected")
-    if fields["inline"] not in (SEPARATE, INLINE, IN_LANE, ON_CHANNEL) or math.isinf(fields["hold"]) \
-            or math.isinf(fields["age"]):
-        raise TransportError(f"{sender} sent a malformed header {fields}")
-    message = Message(Kind(fields["kind"]), **dict(zip(_INTS, values[3:13])), **dict(zip(_FLOATS, values[16:])))
-    return message, fields["numel"], DTYPES[fields["dtype"]], fields["inline"]
+    if header["inline"] not in (SEPARATE, INLINE, IN_LANE, ON_CHANNEL) or math.isinf(header["hold"]) \
+            or math.isinf(header["age"]):
+        raise TransportError(f"{sender} sent a malformed header {header}")
+    kind = Kind(header["kind"])
+    cls = _TYPE_OF[kind]
+    message: Envelope
+    if cls is Message:
+        message = Message(kind, **dict(zip(_INTS, values[3:13])), **dict(zip(_FLOATS, values[16:])))
+    else:
+        message = cls(kind, **{n: v for n, v in zip(_INTS, values[3:13]) if n in _WIRE[cls]})
+    return message, header["numel"], DTYPES[header["dtype"]], header["inline"]
 
 
 def text_payload(text: str) -> Tensor:
@@ -216,13 +232,12 @@ def payload_text(payload: Tensor | None) -> str:
 _TRAINING = (Kind.PARAMS, Kind.CONTINUE)
 
 
-def coalesce(messages: list[Message]) -> list[Message]:
-    """What a sender that fell behind sends instead of ``messages``, with the same effect on the
-    learner: a run of training messages becomes its newest header, with the newest parameters
-    if any of them carried parameters; heartbeats go when anything else is sent; epoch ends,
-    stops and aborts are kept, in order."""
-    out: list[Message] = []
-    run: list[Message] = []
+def coalesce(messages: list[Message | Order]) -> list[Message | Order]:
+    """What a sender that fell behind sends instead of ``messages``, with the same effect on the learner: a run of
+    training messages becomes its newest header, with the newest parameters if any of them carried parameters;
+    heartbeats go when anything else is sent; epoch ends, stops and aborts are kept, in order."""
+    out: list[Message | Order] = []
+    run: list[Message] = []  # (orders are never training messages)
 
     def close_run() -> None:
         if not run:
@@ -237,7 +252,7 @@ def coalesce(messages: list[Message]) -> list[Message]:
         run.clear()
 
     for m in messages:
-        if m.kind in _TRAINING:
+        if isinstance(m, Message) and m.kind in _TRAINING:
             run.append(m)
         elif m.kind != Kind.HEARTBEAT:
             close_run()

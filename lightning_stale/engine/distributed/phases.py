@@ -1,13 +1,8 @@
 """Where a learner stands in its protocol with the server (`Phase`), and the moves allowed
 between phases, in one table (`MOVES`); `advance` refuses any other move.
 
-A learner computes (``COMPUTING``), pushes and waits for the answer (``PUSHED``; a variant that
-needs no answer goes straight on computing), pauses at an epoch's end (``PAUSED``: validation,
-its work in flight carried over) until training resumes, hears the server's stop
-(``STOPPED``), says goodbye (``LEFT``; ``DONE`` once both are done, in either order), or fails
-(``FAILED``: what it raised, or the abort it sent). Being paused and having left are not
-exclusive of a stop heard at the same time: the learner's ``paused`` keeps when the pause began
-for its clock, whatever comes after.
+COMPUTING, PUSHED (waiting for the answer), PAUSED (an epoch's end), STOPPED, LEFT, DONE (both),
+FAILED. The learner's ``paused`` keeps when a pause began, whatever comes after.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The engine on one rank: its learner, and on global rank 0 the server, on the chosen path.
-
-The path (`paths.registry`) builds its own part of the rank (`ServerPath.build`); what every
-path shares is here: the payload routes (`frames.open_routes`), the server core and thread on
-rank 0, the endpoints, and the learner.
+"""The engine on one rank: its learner, and on global rank 0 the server, on the chosen path
+(`ServerPath.build` builds the path's part; the routes, core, endpoints and learner are here).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The parameter server across processes: the core on a thread of global rank 0, talking to the
 learners through a `ServerEndpoint`.
 
-Events in (one at a time, decided the moment they arrive), `ServerCore` decides and applies,
-answers out; it never waits for more than the rules ask. Epochs are the server's: after one pass
-worth of mini-batches has been pushed (all learners together) the server tells every learner,
-with its parameters to validate, and pauses its clock until rank 0's learner resumes training.
-
-Faults: any exception in this thread, a learner's ABORT (its error) or a learner whose
-connection breaks ends the run at once: every learner gets an ABORT naming the cause, and
-``error`` holds it. With ``on_learner_failure="continue"`` a learner whose connection breaks is
-removed instead (`ServerCore.remove_learner`) and training goes on, where the variant allows;
-at every epoch's end the learners then wait for a roll call (`_answer_roll_call`), so that a
-death is known before Lightning's collectives, however late the connection is seen to break.
-A learner's INTERRUPT (a signal on its process) is no failure: every learner is told the reason
-(``interruption``) and then stopped, and leaves through the goodbye protocol as at a normal end.
+Events are decided one at a time as they arrive. Any failure ends the run: every learner gets an
+ABORT naming the cause (``error``). With ``on_learner_failure="continue"`` a broken learner is
+removed instead and, at every epoch's end, a roll call makes its death known before Lightning's
+collectives. An INTERRUPT (a signal) stops every learner through the goodbye protocol.
 """
 
 from __future__ import annotations
@@ -43,14 +34,7 @@ _RESUME, _METRICS, _GATHER = "resume", "metrics", "gather"
 
 
 class ParameterServer:
-    """Runs a `ServerCore` on its own thread (see the module docstring).
-
-    Args:
-        core: the decisions, state and books; its clock is ``time.monotonic()``.
-        payloads: what pushes and answers carry: the path's server side (`paths.base.ServerSide`).
-        on_learner_failure: "stop" (a learner that dies ends the run) or "continue".
-        heartbeat_s: a learner that heard nothing for this long gets a heartbeat.
-    """
+    """Runs a `ServerCore` on its own thread (see the module docstring)."""
 
     def __init__(self, core: ServerCore, payloads, on_learner_failure: str = "stop",
                  heartbeat_s: float = 1.0) -> None:
@@ -222,10 +206,9 @@ class ParameterServer:
             self._on_push(message)
 
     def unheard_death(self) -> str | None:
-        """A learner's connection broke mid-run where that ends the run, seen by the endpoint
-        before (or without) this server's loop: for the watchdog, which must not depend on that
-        loop (it may be stuck: on a GPU, behind a payload that will never arrive). The loop
-        itself decides as `_on_broken` does; this reads the same facts from another thread."""
+        """A learner's connection broke mid-run where that ends the run, seen by the endpoint before (or without) this
+        server's loop: for the watchdog, which must not depend on that loop (it may be stuck: on a GPU, behind a
+        payload that will never arrive)."""
         if self.endpoint is None:
             return None
         for learner, error in list(self.endpoint.broken.items()):
@@ -263,11 +246,8 @@ class ParameterServer:
         self._answer_roll_call()
 
     def _answer_roll_call(self) -> None:
-        """Under ``on_learner_failure="continue"`` the learners validate only after every
-        learner still alive has reported at the epoch's end (`Kind.PRESENT`). A learner that died
-        before it never reports: its broken connection removes it, and the answer counts it dead,
-        so the others know before Lightning's collectives on the default process group, which
-        would otherwise fail on the dead member (a death noticed after the epoch's end)."""
+        """Under ``on_learner_failure="continue"`` the learners validate only after every learner still alive has
+        reported at the epoch's end (`Kind.PRESENT`)."""
         alive = set(self.core.rules.alive) - self._lost - set(self.learner_reports)
         for epoch in sorted(self._present):
             if not alive <= self._present[epoch]:

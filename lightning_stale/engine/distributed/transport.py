@@ -1,17 +1,10 @@
 """How messages travel between learners and the parameter server.
 
-Remote learners talk to the server over point-to-point gloo operations on a dedicated process
-group of its own (CPU tensors, so a NCCL default group is untouched, and Lightning's collectives
-on the default group never interleave with server traffic). A message is one frame, its
-payload inside it, behind it over gloo, in shared memory or on a device channel: the routes a
-rank has are chosen once, by `frames.open_routes`, and `frames.send`/`frames.recv` take them.
-The learner on the server's own rank uses in-process queues instead: gloo cannot send to oneself.
-
-Blocking is kept off the decision loop and away from other learners: every remote learner has
-its own receiving thread and its own sender thread (which drains that learner's outbox), so a
-learner frozen in the middle of a message blocks only its own threads. A sender that falls behind
-merges what it has queued (`messages.coalesce`). A server with nothing to say sends heartbeats,
-so that learners can tell a silent server from a busy one.
+Remote learners talk to the server over point-to-point gloo on a process group of its own, so
+Lightning's collectives never interleave with server traffic; the learner on rank 0 uses queues.
+A payload takes the route `frames.open_routes` chose. Every remote learner has its own receiving
+and sending thread, so a frozen learner blocks only its own; a sender that falls behind
+coalesces (`messages.coalesce`), and a server with nothing to say sends heartbeats.
 """
 
 from __future__ import annotations
@@ -32,6 +25,9 @@ from lightning_stale.engine.distributed.messages import (
     OWNER_KINDS,
     Kind,
     Message,
+    Order,
+    ShardData,
+    TransportError,
     coalesce,
     payload_text,
 )
@@ -48,27 +44,7 @@ _LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these on a downlink
 
 
 class ServerEndpoint:
-    """The server's side: one inbox of events from every learner, one outbox per learner.
-
-    Args:
-        group: the gloo process group of server traffic (None when P = 1).
-        num_learners: P; learner l is global rank l, the server runs on rank 0.
-        deliver: called with every message received (from the receiving threads), and with a
-            FAILED message naming the learner when receiving from it or sending to it breaks.
-        local_inbox: the queue of the learner living on rank 0; it pushes through
-            `receive_local`.
-        max_numel: the largest payload a learner may send (a push with its presence mask).
-        local_owner: the order queue of the shard owner on rank 0 (sharded path), if any.
-        lanes: learner -> (lane to send on, lane to receive on), for the learners on this host
-            (`lanes.open_lanes`); the others' payloads go over gloo.
-        lend_pushes: whether a push arriving through a lane now is handed over in its slot
-            (`lanes.LentPayload`) instead of copied out: where every push is decided at once
-            (K = 1), the server reads the gradient there and the slot is free again after.
-        channels: the device channels of this rank by (sender, receiver) (`channels`), if any.
-
-    Messages are sent from one thread (the server's), which may write a payload straight into
-    a learner's next slot (`place_for`).
-    """
+    """The server's side: one inbox of events from every learner, one outbox per learner."""
 
     def __init__(self, group, num_learners: int, deliver: Callable[[Message], None],
                  local_inbox: queue.Queue, max_numel: int, local_owner: queue.Queue | None = None,
@@ -86,7 +62,8 @@ class ServerEndpoint:
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
         self._last_sent = {r: time.monotonic() for r in range(num_learners)}
         # (a sender marks each message done once sent: `place_for` reads what is left to send)
-        self._outboxes: dict[int, queue.Queue[Message | None]] = {r: queue.Queue() for r in range(1, num_learners)}
+        self._outboxes: dict[int, queue.Queue[Message | Order | None]] = {
+            r: queue.Queue() for r in range(1, num_learners)}
         self._closed: set[int] = set()  # learners that left, died or were told to stop
         self._threads = []
         for r in self._outboxes:
@@ -101,7 +78,7 @@ class ServerEndpoint:
         """The learners whose payloads travel through shared memory."""
         return sorted(self._lanes)
 
-    def send(self, learner: int, message: Message) -> None:
+    def send(self, learner: int, message: Message | Order) -> None:
         if learner in self._closed:
             return
         self._last_sent[learner] = time.monotonic()
@@ -122,12 +99,10 @@ class ServerEndpoint:
         return carried(self._channels)
 
     def place_for(self, learner: int, numel: int, dtype: torch.dtype) -> Tensor | None:
-        """Where the next message's payload of ``numel`` values to ``learner`` can be written now,
-        so that it leaves without another copy: the next slot of its lane, when it has one, the
-        payload travels there, its sender has nothing queued (so that slot is the one the next
-        payload takes) and the learner has read what the slot held; else None, never a wait
-        (a learner frozen with a slot unread must not hold up the server). The message must be
-        the next one sent to ``learner``."""
+        """Where the next message's payload of ``numel`` values to ``learner`` can be written now, so that it leaves
+        without another copy: the next slot of its lane, when it has one, the payload travels there, its sender has
+        nothing queued (so that slot is the one the next payload takes) and the learner has read what the slot
+        held; else None, never a wait (a learner frozen with a slot unread must not hold up the server)."""
         lane = self._lanes.get(learner, (None, None))[0]
         nbytes = numel * dtype.itemsize
         if lane is None or not lane.carries(nbytes) or learner in self._closed:
@@ -162,7 +137,9 @@ class ServerEndpoint:
             self._pushes[message.learner] = (self._pushes[message.learner][0] + 1, message.received_at)
         self.deliver(message)
 
-    def _stamp(self, learner: int, message: Message) -> None:
+    def _stamp(self, learner: int, message: Message | Order) -> None:
+        if not isinstance(message, Message):  # (an order to a shard owner: no latency to estimate)
+            return
         pushes, last = self._pushes[learner]
         now = time.monotonic()
         message.pushes, message.hold = pushes, (now - last) if pushes else 0.0
@@ -177,6 +154,8 @@ class ServerEndpoint:
                 lend = (Kind.PUSH,) if lane is not None and self._lend_pushes() else ()
                 message = recv(self.group, (UP, UP_DATA), learner, f"learner {learner}",
                                self._max_numel, buffer, lane, lend, self._channels.get((learner, 0)))
+                if not isinstance(message, Message):
+                    raise TransportError(f"learner {learner} sent a {message.kind.name}, not a message to the server")
                 message.learner = learner
                 if message.kind in (Kind.ABORT, Kind.INTERRUPT):
                     message.error = payload_text(message.payload)
@@ -230,26 +209,7 @@ class ServerEndpoint:
 
 
 class LearnerEndpoint:
-    """A learner's side: pushes go to the server, the server's messages land in ``inbox``.
-
-    Args:
-        rank: this learner's global rank.
-        group: the gloo group of server traffic.
-        max_numel: the largest payload the server may send (parameters and buffers).
-        local_server: on rank 0 only, the `ServerEndpoint` on this rank (messages go through
-            in-process queues: gloo cannot send to oneself).
-        owner: the order queue of this rank's shard owner (sharded path): the server's orders
-            to it come on the same connection, and go there instead of the inbox.
-        lanes: (lane to send on, lane to receive on) shared with the server on this host, or
-            None (`lanes.open_lanes`).
-        channels: the device channels of this rank by (sender, receiver) (`channels`), if any.
-
-    ``last_heard`` is when the server was last heard from (every message counts, heartbeats
-    too), ``failure`` why the run failed, as soon as the receiving thread knows (an ABORT, a
-    broken connection; ``server_aborted`` whether it was an ABORT), and ``interrupted`` the
-    signal that is stopping the run (an INTERRUPT).
-    Sends are serialised, so another thread may report a failure while the learner pushes.
-    """
+    """A learner's side: pushes go to the server, the server's messages land in ``inbox``."""
 
     def __init__(self, rank: int, group, max_numel: int, local_server: ServerEndpoint | None = None,
                  owner: queue.Queue | None = None, lanes: tuple[Lane, Lane] | None = None,
@@ -304,6 +264,8 @@ class LearnerEndpoint:
                 # an epoch's parameters are kept for validation, so they are copied out.
                 message = recv(self.group, (DOWN, DOWN_DATA), 0, "the server", self._max_numel, buffer,
                                self._lanes[1], lend=(Kind.PARAMS, Kind.STOP), channel=self._down)
+                if isinstance(message, ShardData):
+                    raise TransportError(f"the server sent a {message.kind.name}, which only shard owners send")
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
                     message.error = self.failure = payload_text(message.payload)

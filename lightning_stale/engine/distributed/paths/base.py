@@ -1,11 +1,8 @@
 """What a server path is: the operations every path implements, each declared here once.
 
-A path (`ServerPath`) decides where the parameters live and what travels per push and per
-update. It has a learner side (`LearnerSide`: what a push carries, how parameters arrive), a
-server side (`ServerSide`: what the server keeps of a push and what its messages carry), a part
-of every checkpoint written on rank 0 (`CheckpointPart`), and a cost model for ``server="auto"``
-(`ServerPath.traffic`). The registry (`paths.registry`) holds the paths by name; nothing else
-compares path names. Adding a path means one folder beside the others and one line there.
+A path (`ServerPath`) has a learner side (`LearnerSide`), a server side (`ServerSide`), its part
+of a checkpoint (`CheckpointPart`) and a cost model for ``server="auto"`` (`ServerPath.traffic`).
+The registry (`paths.registry`) holds the paths by name; nothing else compares path names.
 """
 
 from __future__ import annotations
@@ -69,7 +66,8 @@ class LearnerSide(ABC):
     """How a learner meets the server on one path (the learner calls these, in this order, for
     every push: `fill_push` after backward, `carry` where the push waits over an epoch's end,
     `before_push` and `after_push` around its header's sending; `resolve` then `take` for
-    every message that brings parameters; `close` at the end)."""
+    every message that brings parameters; `close` at the end). The hooks with a body do nothing
+    unless a path needs them to."""
 
     # The LR schedulers this side steps (where every learner applies updates); None: elsewhere.
     schedules: Schedules | None = None
@@ -85,39 +83,35 @@ class LearnerSide(ABC):
         """Fill a push with the gradient, when the mini-batch's computation ends."""
 
     @abstractmethod
+    def take(self, message: Message) -> None:
+        """Load the parameters (or apply the update) a message brings."""
+
     def carry(self, message: Message) -> None:
         """The push waits over an epoch's end (Lightning zeroes the gradients before validation)."""
 
-    @abstractmethod
     def before_push(self, message: Message) -> None:
         """The push leaves now (not when cancelled work is thrown away)."""
 
-    @abstractmethod
     def after_push(self, message: Message) -> None:
         """The push's header has left; the answer has not been waited for yet."""
 
-    @abstractmethod
     def resolve(self, message: Message, check: Callable[[], None]) -> None:
         """Complete a message's parameters where they come in parts (``check`` raises if the run
         failed while waiting)."""
 
-    @abstractmethod
-    def take(self, message: Message) -> None:
-        """Load the parameters (or apply the update) a message brings."""
-
-    @abstractmethod
     def close(self, timeout: float, failed: bool = False) -> list[str]:
         """After the stop (``failed``: after a failure): release what the side holds; the names
         of threads still running after ``timeout`` seconds."""
+        return []
 
-    @abstractmethod
     def release(self) -> None:
         """The module loses whatever this side hooked on it (the strategy's teardown, after a
         failure too)."""
 
 
 class ServerSide(ABC):
-    """What the server's messages carry on one path (the server thread calls these)."""
+    """What the server's messages carry on one path (the server thread calls these); the hooks
+    with a body do nothing unless a path needs them to."""
 
     @abstractmethod
     def contribution(self, message: Message) -> Any:
@@ -127,19 +121,15 @@ class ServerSide(ABC):
     def fill(self, message: Message, core: ServerCore, decision: Decision | None) -> None:
         """Fill a message to a learner (parameters, an update, nothing)."""
 
-    @abstractmethod
     def on_update(self, update: Update, contributions: Sequence[Any], weights: Sequence[float] | None) -> None:
         """The core applied an update (where the state lives elsewhere, the update goes there)."""
 
-    @abstractmethod
     def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
         """The LR schedulers are due (per epoch, or metrics for those stepped per update)."""
 
-    @abstractmethod
     def on_stop(self) -> None:
         """Training stopped: the last orders to wherever the state lives."""
 
-    @abstractmethod
     def attach(self, endpoint: Any) -> None:
         """The server's endpoint (`transport.ServerEndpoint`), once it exists."""
 

@@ -1,25 +1,11 @@
 """The server paths by name, and the one place that decides which runs (``server=`` of
-`StaleStrategy`).
+`StaleStrategy`; docs/concepts/paths.md describes each path).
 
-* ``"central"``: the server on rank 0 holds the parameters; every push carries a gradient to it
-  and every answer parameters back. Fewest hops: the fastest for small models, and the only path
-  on which no learner ever waits for another (any variant, a frozen or dead learner).
-* ``"collective"`` (sync family): the server decides from headers; the gradients of an update
-  meet in one all-reduce and every learner applies it; where every update takes one gradient
-  from every learner, the all-reduce runs during backward.
-* ``"sharded"``: the server decides from headers; every rank owns a slice of the parameters and
-  of the optimizer state, and applies its part of every update.
-* ``"auto"`` (`choose_path`): collective for the sync family on a model of at least
-  ``SCALE_MIN_NUMEL`` values (where CPU learners on one host all share memory with rank 0:
-  ``ONE_HOST_COLLECTIVE_MIN_NUMEL``, or ``CROWDED_HOST_COLLECTIVE_MIN_NUMEL`` where they
-  outnumber the host's cores); sharded for the async family once central's traffic at rank 0
-  (`ServerPath.traffic`) reaches ``2 * SHARDED_MIN_TRAFFIC`` values per P gradients and, when
-  every learner runs on one host, P reaches ``ONE_HOST_SHARDED_MIN_P`` (there the "links" are
-  memory, and rank 0 carrying the traffic cost less than owner threads contending with the
-  learners for the same cores); where the options allow; central otherwise.
-
-The thresholds come from benchmarks/scaling.py; its page, docs/benchmarks/scaling.md, holds the
-measurements behind each.
+``"auto"`` (`choose_path`): collective for the sync family from ``SCALE_MIN_NUMEL`` values (from
+``ONE_HOST_COLLECTIVE_MIN_NUMEL`` or ``CROWDED_HOST_COLLECTIVE_MIN_NUMEL`` where CPU learners on one
+host share memory with rank 0), sharded for the async family once central's traffic at rank 0
+(`ServerPath.traffic`) reaches ``2 * SHARDED_MIN_TRAFFIC`` and, on one host, P reaches
+``ONE_HOST_SHARDED_MIN_P``; central otherwise. docs/benchmarks/scaling.md holds the measurements.
 """
 
 from __future__ import annotations
@@ -99,12 +85,10 @@ def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
 
 
 def central_if_memory_is_shared(variant: Variant, numel: int, nodes: int, cpu_cores: int | None) -> bool:
-    """Whether ``"auto"`` runs this model central provided that every remote learner shares memory
-    with rank 0 (`lanes`): the sync family, CPU learners (``cpu_cores``: the host's cores, None on
-    GPUs) on one host, from ``SCALE_MIN_NUMEL`` values to ``ONE_HOST_COLLECTIVE_MIN_NUMEL``, or to
-    ``CROWDED_HOST_COLLECTIVE_MIN_NUMEL`` where the learners outnumber the cores. Over gloo the
-    central path fell behind the collective one there, so the strategy opens the lanes first
-    (`settle_path`) and asks `choose_path` with the answer."""
+    """Whether ``"auto"`` runs this model central provided that every remote learner shares memory with rank 0
+    (`lanes`): the sync family, CPU learners (``cpu_cores``: the host's cores, None on GPUs) on one host, from
+    ``SCALE_MIN_NUMEL`` values to ``ONE_HOST_COLLECTIVE_MIN_NUMEL``, or to ``CROWDED_HOST_COLLECTIVE_MIN_NUMEL``
+    where the learners outnumber the cores."""
     if not variant.synchronous or nodes != 1 or cpu_cores is None or variant.p == 1:
         return False
     limit = CROWDED_HOST_COLLECTIVE_MIN_NUMEL if variant.p > cpu_cores else ONE_HOST_COLLECTIVE_MIN_NUMEL
@@ -153,17 +137,7 @@ def settle_path(path: str, variant: Variant, module: nn.Module, group, rank: int
 def channel_backend(wanted: bool, path: str, world: int, default_backend: str | None,
                     device: torch.device, on_learner_failure: str, push_bytes: int,
                     separate_levels: bool = True) -> str | None:
-    """The backend of the device channels (`channels`) for `StaleStrategy`'s
-    ``payload_channels``, or None for none. Channels open only where asked for (they have never
-    run on several GPUs, so they are no default): NCCL where the default group runs on it, gloo
-    on CPU; none where a whole push (``push_bytes``) fits a header's frame, as every payload
-    then does.
-
-    NCCL channels need CUDA streams that no other user shares (`engine.streams`): a stream
-    priority level of the engine's own on every rank (``separate_levels``, `levels_agree`), and
-    no more streams at that level, nor NCCL groups at the channels' level, than a pool holds
-    (``streams.STREAMS_PER_POOL``): up to ``MAX_CHANNEL_WORLD`` processes. Where they cannot
-    have them, asking for channels is refused, saying why."""
+    """The backend of the device channels (`channels`) for `StaleStrategy`'s ``payload_channels``, or None for none."""
     if not wanted or world < 2 or not channel_pairs(path, world) or push_bytes <= INLINE_PAYLOAD_BYTES:
         return None
     if default_backend == "nccl":

@@ -18,13 +18,8 @@ from lightning_stale.method.rules import Decision
 
 
 class CentralExchange(LearnerSide):
-    """How a learner meets a server that holds the parameters: a push carries the gradient (and
-    the learner's buffers), new parameters arrive as a vector.
-
-    ``device``: where a push is packed. Host memory (the default) for a learner in another
-    process; the module's own device for rank 0's learner, which hands its pushes to the server
-    thread beside it by reference, so that on a GPU they never leave it (the server answers it
-    on its device too, `CentralPayloads`)."""
+    """How a learner meets a server that holds the parameters: a push carries the gradient (and the learner's
+    buffers), new parameters arrive as a vector."""
 
     def __init__(self, vectors: ModelVectors,
                  buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
@@ -41,18 +36,6 @@ class CentralExchange(LearnerSide):
         if masked:
             message.flags |= Flag.MASKED
 
-    def carry(self, message: Message) -> None:
-        """The push waits over an epoch's end: its payload holds the gradient already."""
-
-    def before_push(self, message: Message) -> None:
-        """The push leaves now (not when cancelled work is thrown away)."""
-
-    def after_push(self, message: Message) -> None:
-        """The push has left; the answer has not been waited for yet."""
-
-    def resolve(self, message: Message, check: Callable[[], None]) -> None:
-        """Complete a message's parameters, where they come in parts."""
-
     def take(self, message: Message) -> None:
         """The parameters, from the message's payload or straight from its shared-memory slot."""
         if message.lent is not None:  # still in its shared-memory slot: loaded from there
@@ -60,35 +43,10 @@ class CentralExchange(LearnerSide):
         elif message.payload is not None:
             self.vectors.load_state(message.payload)
 
-    def close(self, timeout: float, failed: bool = False) -> list[str]:
-        """After the stop (``failed``: after a failure): release what the exchange holds; names
-        of threads still running."""
-        return []
-
-    def release(self) -> None:
-        """Nothing hooked on the module."""
-
 
 class CentralPayloads(ServerSide):
-    """What travels when the server holds the parameters: a push carries the gradient (split by
-    ``vectors``), and every message that refreshes, pauses or stops a learner carries the
-    server's parameters and buffers.
-
-    What happens besides at an update, when schedulers are due, and at the stop: nothing here
-    (the core's state does it all).
-
-    ``on_device``: the learners answered with parameters on the server's device: rank 0's
-    learner, beside the server (nothing crosses the bus for it), and those with device channels
-    (`channels`); the others get a host snapshot.
-
-    ``place_for`` (`ServerEndpoint.place_for`, set where the server has shared-memory lanes): an
-    answer that refreshes one learner alone (the async family's, mostly) is written straight into
-    that learner's next slot where it is free, instead of into a snapshot that the learner's
-    sending thread then copies there: one copy of the model fewer per answer, on the path that
-    sets the async family's pace (docs/benchmarks/path_breakdown.md). Where a version goes
-    to several learners, they share one snapshot as before: its copies into their slots run on
-    their sending threads, beside the server's.
-    """
+    """What travels when the server holds the parameters: a push carries the gradient (split by ``vectors``), and
+    every message that refreshes, pauses or stops a learner carries the server's parameters and buffers."""
 
     def __init__(self, vectors: ModelVectors,
                  place_for: Callable[[int, int, torch.dtype], torch.Tensor | None] | None = None,
@@ -118,12 +76,3 @@ class CentralPayloads(ServerSide):
         if alone and self.place_for is not None and not state.has_snapshot(version):
             place = self.place_for(message.learner, state.vectors.state_numel, state.vectors.dtype)
         message.payload = state.snapshot(version) if place is None else state.vectors.state_vector(out=place)
-
-    def on_update(self, update, contributions, weights) -> None:
-        pass
-
-    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
-        pass
-
-    def on_stop(self) -> None:
-        pass

@@ -1,32 +1,12 @@
-"""The sync family's all-reduce started during backward, in buckets, as DDP does it.
+"""The sync family's all-reduce started during backward, in buckets, as DDP does it (Li et al.,
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020).
 
-On the collective path (`collective.sides`) a learner reduces its gradient only
-once the server has named the gradients an update takes. Where the update is known in advance,
-that wait costs the whole all-reduce on top of the backward pass: in Fully sync and in K-sync
-with K = P (docs/method.md, "The six variants") every update takes exactly one gradient from
-every learner, the one each computed on the parameters of the update before. So there, as in
-DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", VLDB 2020; measured on docs/benchmarks/scaling.md), each parameter's gradient is copied, weighted 1/P, into a
-bucket of a flat vector as soon as backward has produced it, and a bucket goes round the
-all-reduce as soon as it is full, while backward goes on with the layers below. The buffers
-and the presence mask (which parameters had a gradient) follow in a last part when backward
-ends. The result is the vector the collective path would have reduced after the
-decision, laid out the same way (`ModelVectors.push_vector` with the mask).
-
-Rounds must pair up: every learner's r-th overlapped backward meets the others' r-th in the
-same all-reduces, so a learner arms its next backward only when the server says, with an
-update, that the next update will take one gradient from every learner within this epoch (no
-epoch's end, no stop known): every learner then hears the same thing and arms once, and the
-next backward it runs is the round (Lightning refuses a ``training_step`` that skips its
-backward by returning None in distributed training). Only a stop can cut a round short on
-some learners (a learner that heard it before its backward never runs it): at the end every
-learner reads the largest round count over a small gloo group and runs the rounds it lacks
-with zeros, so no all-reduce is left waiting for a peer.
-
-Buckets are cut at tensor boundaries, in reverse order of the parameters (roughly the order
-backward produces them), and always launched in that order, whatever order the hooks fire in,
-so all learners issue the same all-reduces (a parameter without a gradient in this backward
-holds its bucket, and the later ones, until backward ends: nothing is lost but the overlap).
+Where every update takes one gradient from every learner (Fully sync, K-sync with K = P), each
+gradient is copied, weighted 1/P, into a bucket as backward produces it and a full bucket goes
+round the all-reduce at once; buffers and the presence mask follow when backward ends. Buckets
+are cut at tensor boundaries and launched in one order, so all learners issue the same
+all-reduces; a learner arms a round only when the server says the next update takes every
+learner, and at the end the rounds a stop cut short run with zeros (docs/concepts/paths.md).
 """
 
 from __future__ import annotations
@@ -60,17 +40,7 @@ def bucket_ranges(sizes: list[int], element_bytes: int, first_bytes: int = FIRST
 
 
 class OverlappedAllReduce:
-    """A learner's gradient, averaged over ``learners`` in buckets while backward runs (see the
-    module docstring).
-
-    Args:
-        vectors: the module's trainable parameters and buffers (hooks go on the parameters).
-        learners: P; every gradient is weighted 1/P.
-        group: the process group of the buckets' all-reduces (a group of their own, so that a
-            round cut short at the stop never meets another collective).
-        control_group: a gloo group for the round counts at the end.
-        device: where the buckets live (the module's device: NCCL needs CUDA tensors).
-    """
+    """A learner's gradient, averaged over ``learners`` in buckets while backward runs (see the module docstring)."""
 
     def __init__(self, vectors: ModelVectors, learners: int, group, control_group,
                  device: torch.device, first_bucket_bytes: int = FIRST_BUCKET_BYTES,

@@ -1,27 +1,10 @@
 """The sync family at scale: the K gradients of an update meet in one all-reduce.
 
-In Fully sync, K-sync and K-batch-sync every update refreshes every learner, so every learner
-can hold the parameters and apply the update itself, as DDP does. Traffic is then an all-reduce
-per update (about 2N(P-1)/P values per rank, on the default process group: NCCL on GPUs, device
-to device), instead of every gradient and every parameter vector passing through rank 0.
-
-The decisions stay with the server core on rank 0, fed with headers only (version, loss,
-samples): when the rules complete an update, every learner gets one small message naming how
-many of its pushed gradients the update takes (docs/method.md, "The six variants": K gradients
-from the first pushers; a K-batch-sync learner may have several). Each learner adds those
-gradients (weighted 1/K; zeros if it has none), the sum goes round the all-reduce, and every
-learner steps its own optimizer and schedulers with the result: the same update on every rank.
-Buffers are averaged over the update's gradients too (integer buffers: the largest), as the
-central server does.
-
-What this path gives up: an update needs every learner in the all-reduce. A learner waiting in
-an injected delay is interrupted as on every path, but a learner still inside its forward or
-backward pass (a real straggler) holds the update until that pass ends, and its gradient is then
-discarded as cancelled. The central server (``server="central"``) never waits for it.
-
-Where every update takes one gradient from every learner (Fully sync, K-sync with K = P), the
-all-reduce starts during backward instead, in buckets, as DDP's does (`collective.overlap`):
-the server's answer then only confirms the update the learners have already reduced.
+Every update of the sync family refreshes every learner, so every learner holds the parameters
+and applies the update, as DDP does: an all-reduce per update instead of every vector through
+rank 0. The server decides from headers and tells each learner how many of its gradients the
+update takes; the learners sum them (weighted 1/K), all-reduce and step alike. The cost: an
+update waits for a learner inside its forward or backward (docs/concepts/paths.md).
 """
 
 from __future__ import annotations
@@ -54,18 +37,11 @@ def update_payload(update: Update, p: int, overlap_next: bool = False) -> Tensor
 
 
 class CollectivePayloads(ServerSide):
-    """The server's side of the collective path: pushes are
-    headers, and a refresh (every learner, at every update of the sync family) carries
-    `update_payload`; nothing else carries parameters, since every learner holds them.
-
-    ``overlap``: the learners overlap their all-reduce with backward where the next update is
-    sure to take one gradient from each of them (`collective.overlap`)."""
+    """The server's side of the collective path: pushes are headers, and a refresh (every learner, at every update of
+    the sync family) carries `update_payload`; nothing else carries parameters, since every learner holds them."""
 
     def __init__(self, overlap: bool = False) -> None:
         self.overlap = overlap
-
-    def attach(self, endpoint) -> None:
-        """Nothing to send besides the server's messages."""
 
     def contribution(self, message: Message) -> None:
         """Nothing: the gradient stays with its learner until the update's all-reduce."""
@@ -78,30 +54,9 @@ class CollectivePayloads(ServerSide):
             overlap_next = self.overlap and core.rules.k == p and core.pushes_fit_in_epoch(p)
             message.payload = update_payload(decision.update, p, overlap_next)
 
-    def on_update(self, update, contributions, weights) -> None:
-        pass
-
-    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
-        pass  # every learner steps its own
-
-    def on_stop(self) -> None:
-        pass
-
 
 class CollectiveExchange(LearnerSide):
-    """A learner's side of the collective path (see the module docstring).
-
-    Args:
-        vectors: the module's trainable parameters and buffers.
-        optimizer: the module's own optimizer, stepped by every learner.
-        schedules: its LR schedulers, stepped per update (here) and per epoch (by the strategy)
-            on every learner.
-        rank: this learner's global rank.
-        device: where gradients are summed (the module's device: NCCL needs CUDA tensors).
-        clip: clips the averaged gradient before the step (the Trainer's gradient clipping), or None.
-        group: the process group of the all-reduce (None: the default group).
-        overlap: reduces the gradient during backward where the server says so, or None.
-    """
+    """A learner's side of the collective path (see the module docstring)."""
 
     schedules: Schedules  # every learner steps its own
 
@@ -133,25 +88,17 @@ class CollectiveExchange(LearnerSide):
                          if vectors.buffers else None)
 
     def fill_push(self, message: Message) -> None:
-        """Nothing yet: the gradient stays here, and only the header travels, so the gradients
-        are packed after the header has left (`after_push`), while the server decides. (They
-        stay in the parameters' ``.grad`` until then: only the next backward or an update's step
-        changes them, and the learner calls `after_push` right after sending the header, before
-        it waits for an answer or, in K-batch-sync, goes on to its next mini-batch; a push
-        carried over an epoch's end is packed when it is carried, `carry`.) Work cancelled
-        before its push is never packed. An overlapped round is completed here, whether or not
-        the push will leave: its peers' all-reduces wait for it."""
+        """Nothing yet: the gradient stays here, and only the header travels, so the gradients are packed after the
+        header has left (`after_push`), while the server decides."""
         self._in_round = self.overlap is not None and self.overlap.finish()
         if self._in_round and self._integers:
             self._own_integers = torch.cat([b.detach().reshape(-1).to(self.device, self.vectors.dtype)
                                             for b in self.vectors.buffers if not b.is_floating_point()])
 
     def carry(self, message: Message) -> None:
-        """The push waits over an epoch's end and leaves after validation, before which Lightning
-        zeroes the gradients (and a mini-batch the loader had fetched may run one more backward):
-        its gradient is packed now, onto the message, until `before_push` takes it off again.
-        (One that went round during backward has nothing to keep: rounds never span an epoch's
-        end. One carried over a second epoch's end before it left is packed already.)"""
+        """The push waits over an epoch's end and leaves after validation, before which Lightning zeroes the gradients
+        (and a mini-batch the loader had fetched may run one more backward): its gradient is packed now, onto the
+        message, until `before_push` takes it off again."""
         if message.payload is None and not (message.flags & Flag.UNUSABLE or self._in_round):
             message.payload = self._pack()
 
@@ -199,11 +146,7 @@ class CollectiveExchange(LearnerSide):
             self.overlap.release()
 
     def take(self, message: Message) -> None:
-        """An update: add this learner's share, all-reduce, step. (The first parameters carry
-        no update: every learner holds them already. The stop carries the update that stopped
-        training, if one did; else the buffers go back to the last update's, as the central
-        server's final state would set them, whatever the forward passes of work left
-        unapplied did to them.)"""
+        """An update: add this learner's share, all-reduce, step."""
         if message.payload is None:
             if message.kind == Kind.STOP and self._settled is not None:
                 self._load_buffers(self._settled)

@@ -1,10 +1,6 @@
 """Data between every pair of ranks, for the sharded path: gradient pieces, parameter slices and
-gathered state (`sharded.owner`).
-
-Every rank has, for every other rank, one receiving thread and one sending thread (draining an
-outbox), on the server traffic's gloo group with tags of their own, so that a slow transfer to
-one peer never holds another. Messages to oneself are delivered in-process. `close` sends every
-peer a last message that ends its receiving thread.
+gathered state (`sharded.owner`), one receiving and one sending thread per peer on the server's
+gloo group, so that a slow transfer never holds another; `close` ends them.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import torch
 
 from lightning_stale.engine.distributed.channels import Channel, carried
 from lightning_stale.engine.distributed.frames import FRAME_BYTES, recv, send
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.messages import Kind, ShardData, TransportError
 
 DATA, DATA_PAYLOAD = 31, 32  # tags: data between ranks (not the server's control traffic)
 
@@ -37,13 +33,13 @@ class DataMesh:
     Nothing moves before `start` (a peer's sends wait for this rank's receives).
     """
 
-    def __init__(self, group, rank: int, p: int, deliver: Callable[[int, Message], None],
+    def __init__(self, group, rank: int, p: int, deliver: Callable[[int, ShardData], None],
                  max_numel: int, broken: Callable[[int, str], None],
                  channels: dict[tuple[int, int], Channel] | None = None) -> None:
         self.group, self.rank, self.p, self.deliver = group, rank, p, deliver
         self.channels = channels or {}
         self._max_numel, self._broken = max_numel, broken
-        self._outboxes: dict[int, queue.Queue[Message]] = {peer: queue.Queue() for peer in range(p) if peer != rank}
+        self._outboxes: dict[int, queue.Queue[ShardData]] = {peer: queue.Queue() for peer in range(p) if peer != rank}
         self._threads = []
         for peer in self._outboxes:
             self._threads += [
@@ -64,7 +60,7 @@ class DataMesh:
         for t in self._threads:
             t.start()
 
-    def send(self, peer: int, message: Message) -> None:
+    def send(self, peer: int, message: ShardData) -> None:
         if peer == self.rank:
             message.received_at = time.monotonic()
             self.deliver(self.rank, message)
@@ -74,7 +70,7 @@ class DataMesh:
     def close(self) -> None:
         """End every peer's receiving thread and this rank's sending threads."""
         for outbox in self._outboxes.values():
-            outbox.put(Message(Kind.RETIRE))
+            outbox.put(ShardData(Kind.RETIRE))
 
     def join(self, timeout: float) -> list[str]:
         deadline = time.monotonic() + timeout
@@ -101,6 +97,8 @@ class DataMesh:
                                channel=self.channels.get((peer, self.rank)))
                 if message.kind == Kind.RETIRE:
                     return
+                if not isinstance(message, ShardData):
+                    raise TransportError(f"rank {peer} sent a {message.kind.name} on the data mesh")
                 self.deliver(peer, message)
         except Exception as exc:  # noqa: BLE001
             self._broken(peer, f"receiving data from rank {peer} failed: {exc}")

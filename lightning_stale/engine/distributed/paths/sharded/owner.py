@@ -1,27 +1,11 @@
 """The sharded path: every rank owns a slice of the parameters, so no rank carries them all.
 
-The trainable tensors are cut into P contiguous runs of about equal size (at tensor boundaries,
-so per-tensor optimizers stay exact); rank o's *owner* thread holds run o, its optimizer state
-and its schedulers (rank 0's owner also the buffers). The server core on rank 0 still takes
-every decision, from headers alone, so every owner applies the same gradients in the same order:
-
-* a push: the learner sends each owner its piece of the gradient (mesh) and the server the
-  header (version, loss, samples, its push counter ``seq``);
-* an update: the server orders every owner to APPLY it, naming the (learner, seq) of each
-  gradient and its weight; an owner waits for its pieces, averages, steps;
-* new parameters for a learner (a refresh, an epoch's validation, the stop): the server orders
-  every owner to SEND that learner its slice, tagged with a delivery number, and tells the
-  learner to expect that delivery; the learner joins the slices (`sides.ShardedExchange.resolve`).
-
-Per update a rank moves about N(P-1)/P values up and as many down, like a ring all-reduce,
-and steps an optimizer over N/P values (docs/benchmarks/scaling.md).
-
-What this path gives up: an owner lives in a learner's process. A learner that is slow to
-compute still serves its slice (a thread of its own), but a process that is frozen or dies takes
-its slice with it: the run waits for a frozen one and stops for a dead one. The Trainer's
-gradient clipping (a norm over every shard) and the "norm" staleness compensation (a distance
-over every shard) would need an exchange between owners per update, so they are refused here
-(the central server runs them).
+The trainable tensors are cut into P runs at tensor boundaries; rank o's owner thread holds run o,
+its optimizer state and schedulers. The server on rank 0 decides from headers and orders every
+owner to APPLY an update (naming each gradient's (learner, seq) and weight) or to SEND a learner
+its slice; learners send each owner its piece of a push. Per update a rank moves about N(P-1)/P
+values each way (docs/benchmarks/scaling.md). A dead process takes its slice with it, so the
+run stops; clipping and the "norm" compensation are refused (docs/concepts/paths.md).
 """
 
 from __future__ import annotations
@@ -38,7 +22,15 @@ import torch
 from torch import Tensor
 
 from lightning_stale.engine import streams
-from lightning_stale.engine.distributed.messages import Flag, Kind, Message, payload_text, text_payload
+from lightning_stale.engine.distributed.messages import (
+    Flag,
+    Kind,
+    Message,
+    Order,
+    ShardData,
+    payload_text,
+    text_payload,
+)
 from lightning_stale.engine.distributed.paths.sharded.mesh import DataMesh
 from lightning_stale.engine.state import ModelVectors, ServerState
 
@@ -46,13 +38,7 @@ WAIT_S = 0.1  # how often a wait for pieces, slices or state looks at the run's 
 
 
 class ShardLayout:
-    """Which trainable tensors each of the P owners holds: contiguous runs of about N/P values.
-
-    Args:
-        sizes: the number of values of each trainable tensor, in module order.
-        buffer_numel: the values of the buffers (owner 0 keeps them).
-        p: the number of owners.
-    """
+    """Which trainable tensors each of the P owners holds: contiguous runs of about N/P values."""
 
     def __init__(self, sizes: Sequence[int], buffer_numel: int, p: int) -> None:
         self.p, self.buffer_numel = p, buffer_numel
@@ -102,22 +88,13 @@ class PieceRef:
 
 
 class ShardOwner:
-    """Holds one shard of the server and follows the server's orders, in order (a thread).
-
-    Args:
-        rank: this owner's rank (its shard's index).
-        state: the shard: its parameters, optimizer state, schedulers (buffers on rank 0).
-        mesh: where slices and gathered state go.
-
-    `start` begins following orders; an owner that fails tells the server (an ABORT naming it),
-    and an owner stops waiting once the run has failed.
-    """
+    """Holds one shard of the server and follows the server's orders, in order (a thread)."""
 
     def __init__(self, rank: int, state: ServerState, mesh: DataMesh) -> None:
         self.rank, self.state, self.mesh = rank, state, mesh
-        self.commands: queue.Queue[Message] = queue.Queue()
+        self.commands: queue.Queue[Order] = queue.Queue()
         self.version = 0
-        self._pieces: dict[tuple[int, int], Message] = {}
+        self._pieces: dict[tuple[int, int], ShardData] = {}
         self._arrived = threading.Condition()
         self._mesh_failure: str | None = None
         # On a GPU the owner works on a stream of its own: on the default one, its copies to the
@@ -147,7 +124,7 @@ class ShardOwner:
         else:
             self._endpoint.push(message)
 
-    def put_piece(self, message: Message) -> None:
+    def put_piece(self, message: ShardData) -> None:
         with self._arrived:
             self._pieces[(message.learner, message.seq)] = message
             self._arrived.notify_all()
@@ -177,7 +154,7 @@ class ShardOwner:
             detail = "".join(traceback.format_exception(exc)).rstrip()
             self.report(f"the shard server on rank {self.rank} failed: {type(exc).__name__}: {exc}\n{detail}")
 
-    def _apply(self, command: Message) -> None:
+    def _apply(self, command: Order) -> None:
         assert command.payload is not None, "an update names its gradients"
         orders = command.payload.view(-1, 3).tolist()
         pieces = [self._take(int(learner), int(seq)) for learner, seq, _ in orders]
@@ -196,7 +173,7 @@ class ShardOwner:
             for key in [k for k in self._pieces if k[0] in applied and k[1] < applied[k[0]]]:
                 del self._pieces[key]
 
-    def _take(self, learner: int, seq: int) -> Message:
+    def _take(self, learner: int, seq: int) -> ShardData:
         with self._arrived:
             while (learner, seq) not in self._pieces:
                 self._arrived.wait(WAIT_S)
@@ -205,25 +182,25 @@ class ShardOwner:
                     raise RuntimeError(f"waiting for learner {learner}'s gradient: the run failed ({reason})")
             return self._pieces.pop((learner, seq))
 
-    def _send(self, command: Message) -> None:
+    def _send(self, command: Order) -> None:
         payload = self.state.snapshot(self.version, self.mesh.payload_device(self.state.vectors.device))
-        self.mesh.send(command.learner, Message(Kind.SLICE, command.learner, self.version,
-                                                delivery=command.delivery, payload=payload,
+        self.mesh.send(command.learner, ShardData(Kind.SLICE, command.learner, self.version,
+                                                  delivery=command.delivery, payload=payload,
                                                 ready=streams.mark(payload)))
 
-    def _schedule(self, command: Message) -> None:
+    def _schedule(self, command: Order) -> None:
         metrics = json.loads(payload_text(command.payload))
         if command.flags & Flag.PER_UPDATE:
             self.state.schedules.metrics.update(metrics)
         else:
             self.state.schedules.end_epoch(command.epoch - 1, metrics)
 
-    def _gather(self, command: Message) -> None:
-        self.mesh.send(0, Message(Kind.STATE, self.rank, self.version, delivery=command.delivery,
+    def _gather(self, command: Order) -> None:
+        self.mesh.send(0, ShardData(Kind.STATE, self.rank, self.version, delivery=command.delivery,
                                   payload=self.state.snapshot(self.version)))
         saved = io.BytesIO()
         torch.save({"optimizer": self.state.optimizer.state_dict(),
                     "schedulers": self.state.schedules.states()}, saved)
-        self.mesh.send(0, Message(Kind.STATE, self.rank, self.version, delivery=command.delivery,
+        self.mesh.send(0, ShardData(Kind.STATE, self.rank, self.version, delivery=command.delivery,
                                   flags=Flag.OPTIMIZER,
                                   payload=torch.frombuffer(bytearray(saved.getvalue()), dtype=torch.uint8)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lightning_stale.engine.distributed.messages import Kind, Message
+from lightning_stale.engine.distributed.messages import Kind, Message, ShardData
 from lightning_stale.engine.distributed.paths.base import (
     CheckpointPart,
     CheckpointView,
@@ -45,11 +45,10 @@ class ShardedPath(ServerPath):
         return None
 
     def traffic(self, numel: int, p: int, k: int) -> float:
-        """Each of an update's K pushes sends every other owner its piece, and each refreshed
-        learner gets every other owner's slice: per push about N(P - 1)/P values up and as many
-        down for its learner, spread over the P owners, so per update 2N K (P - 1) / P^2 values
-        at each rank on average; with K = P, a ring all-reduce's 2N(P - 1)/P (Patarasuk and
-        Yuan, 2009)."""
+        """Each of an update's K pushes sends every other owner its piece, and each refreshed learner gets every other
+        owner's slice: per push about N(P - 1)/P values up and as many down for its learner, spread over the P
+        owners, so per update 2N K (P - 1) / P^2 values at each rank on average; with K = P, a ring all-reduce's
+        2N(P - 1)/P (Patarasuk and Yuan, 2009)."""
         return 2 * numel * k * (p - 1) / (p * p)
 
     def channel_pairs(self, p: int) -> list[tuple[int, int]]:
@@ -64,7 +63,7 @@ class ShardedPath(ServerPath):
         payloads = ShardedPayloads(p) if rank == 0 else None
         parts: dict[str, Any] = {}
 
-        def deliver(peer: int, message: Message) -> None:
+        def deliver(peer: int, message: ShardData) -> None:
             if message.kind == Kind.PIECE:
                 parts["owner"].put_piece(message)
             elif message.kind == Kind.SLICE:
@@ -92,13 +91,8 @@ class ShardedPath(ServerPath):
 
 
 class ShardedCheckpoint(CheckpointPart):
-    """The model is spread over the owners: gathered to rank 0 once per checkpoint (in the order
-    of the server's updates, so every slice is of the same version).
-
-    After a failure (an ``OnExceptionCheckpoint``, say) the owners' slices can no longer be
-    gathered: the checkpoint then holds rank 0's learner's parameters (the last version it
-    received) without optimizer or scheduler state, and says so in a warning, rather than
-    raising inside Lightning's exception handling, which would skip the strategy's teardown."""
+    """The model is spread over the owners: gathered to rank 0 once per checkpoint (in the order of the server's
+    updates, so every slice is of the same version)."""
 
     def __init__(self, view: CheckpointView) -> None:
         super().__init__(view)

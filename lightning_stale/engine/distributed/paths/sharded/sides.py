@@ -11,12 +11,13 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from lightning_stale.engine import streams
-from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message, Order, ShardData, text_payload
 from lightning_stale.engine.distributed.paths.base import LearnerSide, ServerSide
 from lightning_stale.engine.distributed.paths.sharded.mesh import DataMesh
 from lightning_stale.engine.distributed.paths.sharded.owner import WAIT_S, PieceRef, ShardLayout, ShardOwner
@@ -34,7 +35,7 @@ class ShardedExchange(LearnerSide):
                  owner: ShardOwner) -> None:
         self.vectors, self.layout, self.rank, self.mesh, self.owner = vectors, layout, rank, mesh, owner
         self.seq = 0
-        self._slices: dict[int, dict[int, Message]] = {}  # delivery -> owner -> SLICE
+        self._slices: dict[int, dict[int, ShardData]] = {}  # delivery -> owner -> SLICE
         self._resolved: tuple[int, list[Tensor]] = (0, [])  # the latest PARAMS/STOP's slices
         self._arrived = threading.Condition()
 
@@ -48,9 +49,6 @@ class ShardedExchange(LearnerSide):
         if masked:
             message.flags |= Flag.MASKED
 
-    def carry(self, message: Message) -> None:
-        """The push waits over an epoch's end: its payload holds the gradient already."""
-
     def before_push(self, message: Message) -> None:
         """The pieces go to the owners before the header goes to the server, so that an owner
         rarely waits for them."""
@@ -62,14 +60,11 @@ class ShardedExchange(LearnerSide):
         masked = bool(message.flags & Flag.MASKED)
         for owner in range(self.layout.p):
             piece = self.layout.piece(vector, owner, masked)
-            self.mesh.send(owner, Message(Kind.PIECE, self.rank, message.version, seq=self.seq,
+            self.mesh.send(owner, ShardData(Kind.PIECE, self.rank, message.version, seq=self.seq,
                                           flags=message.flags & Flag.MASKED, payload=piece,
                                           ready=streams.mark(piece)))
 
-    def after_push(self, message: Message) -> None:
-        """Nothing: the pieces left before the header."""
-
-    def put_slice(self, owner: int, message: Message) -> None:
+    def put_slice(self, owner: int, message: ShardData) -> None:
         if message.payload is None:  # an owner of no tensor sends nothing
             message.payload = torch.zeros(0, dtype=self.vectors.dtype)
         with self._arrived:
@@ -113,18 +108,15 @@ class ShardedExchange(LearnerSide):
         self.mesh.close()
         return stuck + self.mesh.join(max(0.0, deadline - time.monotonic()))
 
-    def release(self) -> None:
-        """Nothing hooked on the module."""
-
 
 class ShardedPayloads(ServerSide):
     """The server's side of the sharded path: pushes are headers (`PieceRef`), updates are
     orders to the owners, and a message that gives a learner parameters is sliced."""
 
-    def __init__(self, p: int, send: Callable[[int, Message], None] | None = None) -> None:
+    def __init__(self, p: int, send: Callable[[int, Order], None] | None = None) -> None:
         self.p, self.send = p, send
         self._delivery = 0
-        self._gathered: dict[int, dict[tuple[int, bool], Message]] = {}
+        self._gathered: dict[int, dict[tuple[int, bool], ShardData]] = {}
         self._gathered_ready = threading.Condition()
 
     def attach(self, endpoint) -> None:
@@ -138,7 +130,7 @@ class ShardedPayloads(ServerSide):
         if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
             return
         self._delivery += 1
-        self._to_owners(Message(Kind.SEND, message.learner, delivery=self._delivery))
+        self._to_owners(Order(Kind.SEND, message.learner, delivery=self._delivery))
         message.delivery, message.flags = self._delivery, message.flags | Flag.SLICED
 
     def on_update(self, update, contributions: Sequence[PieceRef], weights) -> None:
@@ -146,25 +138,25 @@ class ShardedPayloads(ServerSide):
         weights = [1.0] * len(contributions) if weights is None else list(weights)
         orders = torch.tensor([[c.learner, c.seq, w] for c, w in zip(contributions, weights)],
                               dtype=torch.float64).reshape(-1)
-        self._to_owners(Message(Kind.APPLY, version=update.version, payload=orders))
+        self._to_owners(Order(Kind.APPLY, version=update.version, payload=orders))
 
     def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
         """Every owner steps its own schedulers."""
-        self._to_owners(Message(Kind.SCHEDULE, epoch=epoch, flags=Flag.PER_UPDATE if per_update else 0,
-                                payload=text_payload(json.dumps(metrics))))
+        self._to_owners(Order(Kind.SCHEDULE, epoch=epoch, flags=Flag.PER_UPDATE if per_update else 0,
+                              payload=text_payload(json.dumps(metrics))))
 
     def on_stop(self) -> None:
         """The final state goes to rank 0 (request `FINAL`), then the owners retire."""
         self.gather(FINAL)
-        self._to_owners(Message(Kind.RETIRE))
+        self._to_owners(Order(Kind.RETIRE))
 
     def gather(self, request: int) -> None:
         """Ask every owner for its state (answered through `put_state`, to rank 0)."""
         with self._gathered_ready:
             self._gathered[request] = {}
-        self._to_owners(Message(Kind.GATHER, delivery=request))
+        self._to_owners(Order(Kind.GATHER, delivery=request))
 
-    def put_state(self, owner: int, message: Message) -> None:
+    def put_state(self, owner: int, message: ShardData) -> None:
         with self._gathered_ready:
             self._gathered.setdefault(message.delivery, {})[(owner, bool(message.flags & Flag.OPTIMIZER))] = message
             self._gathered_ready.notify_all()
@@ -186,15 +178,13 @@ class ShardedPayloads(ServerSide):
                             weights_only=True) for o in range(self.p)]
         return states, saved, parts[(0, False)].version
 
-    def _to_owners(self, command: Message) -> None:
+    def _to_owners(self, command: Order) -> None:
         assert self.send is not None, "the server's endpoint is attached before the server starts"
         for owner in range(self.p):
-            self.send(owner, Message(command.kind, command.learner, command.version, command.epoch,
-                                     flags=command.flags, delivery=command.delivery,
-                                     payload=command.payload))
+            self.send(owner, replace(command))  # one each: its receiver notes the arrival on it
 
 
-def _payload(message: Message) -> Tensor:
+def _payload(message: ShardData) -> Tensor:
     """A message's payload; none (an owner of no tensor) is an empty one."""
     return message.payload if message.payload is not None else torch.zeros(0)
 
