@@ -34,6 +34,7 @@ from lightning_stale.replay.recorder import EventRecorder
 MAX_DIFFERENCES = 20  # differences listed in the report (all are counted)
 _PUSH_FIELDS = ("learner", "index", "version", "accepted", "dropped", "update", "cancel", "draw",
                 "batches", "batch", "loss")
+_DRAWN = ("draw", "batches", "batch", "rng", "indices")  # what a push drew
 _UPDATE_FIELDS = ("version", "contributions", "learners", "staleness", "weights", "lr", "k")
 
 
@@ -72,8 +73,8 @@ class ReplayComparison:
             self._push(event)
         elif kind == "update":
             self._update(event)
-        elif kind in ("epoch_end", "validation"):
-            self._other(event)
+        elif kind == "epoch_end" or (kind == "validation" and self.log.header["engine"] != "stale"):
+            self._other(event)  # (the real engine records no validation: its metrics are rank 0's)
 
     path = None
 
@@ -215,6 +216,11 @@ class ReplayServer(SimulatedServer):
         self._versions: dict[int, Tensor] = {}
         self._keep(0)
         self._set_k()
+        # The real engine's learner loads a version's parameters and buffers once, and computes
+        # its next push at the same version with the buffers its forward passes left (BatchNorm
+        # statistics); the simulated engine's reloads them for every push.
+        self.keeps_buffers = log.header["engine"] == "stale"
+        self._learner_buffers: dict[int, tuple[int, Tensor]] = {}  # learner -> (version, buffers)
 
     def next_push(self) -> dict:
         """The next recorded push (its ``draw``, ``rng`` ...); `next_finish` moves past it."""
@@ -238,10 +244,17 @@ class ReplayServer(SimulatedServer):
         if finish.version not in self._versions:
             raise RuntimeError(f"the log asks for version {finish.version}, which the replay never "
                                f"made (it is at version {self.core.version})")
-        return self._versions[finish.version]
+        kept = self._learner_buffers.get(finish.learner)
+        if kept is None or kept[0] != finish.version:
+            return self._versions[finish.version]
+        vector = self._versions[finish.version].clone()
+        vector[self.state.vectors.numel:] = kept[1]
+        return vector
 
     def push(self, finish: Finish, contribution: Contribution | None, loss: float, samples: int,
              unusable: str | None = None) -> Outcome:
+        if self.keeps_buffers and contribution is not None and contribution.buffers is not None:
+            self._learner_buffers[finish.learner] = (finish.version, contribution.buffers.clone())
         outcome = self.core.push(finish.learner, finish.version, self.now, contribution=contribution,
                                  loss=loss, samples=samples, unusable=unusable)
         if outcome.update is not None:
@@ -258,6 +271,23 @@ class ReplayServer(SimulatedServer):
 
     def stats(self) -> dict:
         return {**self.core.stats(), "virtual_time_s": self.now}
+
+    def stop(self) -> None:
+        """The replay's training is over; the pushes the log has after its stop (which arrived
+        when the recorded server had stopped: counted in flight, never applied) are decided now,
+        without being computed."""
+        self.core.stop()
+        while self._next < len(self.log.pushes):
+            push = self.log.pushes[self._next]
+            self._next += 1
+            self.now = push["t"]
+            # (never computed: what the recorded learner drew is carried over as it is)
+            self.recorder.next_push(**{k: push[k] for k in _DRAWN if k in push})
+            self.core.push(push["learner"], push["version"], self.now, loss=push["loss"] or math.nan)
+
+    @property
+    def epochs_recorded(self) -> int:
+        return sum(e["kind"] == "epoch_end" for e in self.log.events)
 
     def finish(self) -> dict:
         """Compare the end of the replay with the log's; returns the report."""

@@ -32,6 +32,7 @@ from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.replay.events import batch_digest, seed_for
+from lightning_stale.replay.real import LogBatchSampler
 from lightning_stale.replay.recorder import EventRecorder
 from lightning_stale.replay.replayer import ReplayServer
 from lightning_stale.replay.setup import (
@@ -182,6 +183,11 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         if not self.fitting():
             super().setup(trainer)
             return
+        self._limit_train_batches = None
+        if self._replays_engine_log:
+            # The log's epochs are the replay's: Lightning must not cut them.
+            self._limit_train_batches = trainer.limit_train_batches
+            self.patch(trainer, "limit_train_batches", 1.0)
         trainer.fit_loop.setup_data()  # before configure_optimizers: estimated_stepping_batches
         pushes = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
         with self.counting_updates(trainer, pushes):
@@ -210,7 +216,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             if restored is not None:
                 raise ValueError("a replay starts from the recorded run's start: fit it without ckpt_path")
             replaying = start_replay(self._replay_log, module, self.optimizers[0], state,
-                                     self.variant, self.staleness_compensation)
+                                     self.variant, self.staleness_compensation, self._limit_train_batches)
             self.server, self._recorder = replaying, replaying.recorder
             return
         if restored is not None and restored.get("engine") is not None:
@@ -284,8 +290,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         if self.server is None:
             return
         self._load_server_parameters()
-        if self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            self._end_epoch()  # the last epoch ended too
+        last_batch = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if last_batch and (not isinstance(self.server, ReplayServer)
+                           or self.server.core.epoch < self.server.epochs_recorded):
+            self._end_epoch()  # the last epoch ended too (in a replay: if the log's did)
         self.server.stop()
         # The learner's optimizer takes the server's state, as the module its parameters: what
         # Lightning saves after fit (its checkpoint slots) is the server's.
@@ -348,6 +356,11 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         dataset = getattr(dataloader, "dataset", None)
+        if self._replays_engine_log and isinstance(dataloader, DataLoader):
+            assert self._replay_log is not None
+            return DataLoader(dataset, batch_sampler=LogBatchSampler(self._replay_log),  # type: ignore[arg-type]
+                              num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
+                              pin_memory=dataloader.pin_memory)
         if not isinstance(dataloader, DataLoader) or isinstance(dataset, IterableDataset):
             rank_zero_warn(f"{type(self).__name__} cannot make this training loader draw with "
                            "replacement (not a DataLoader over a map-style dataset): its batches "
@@ -375,6 +388,11 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
         return {"core": self._running.core.state_dict(), "engine": engine, "stats": self.stats}
 
     # ---------------------------------------------------------------- internals
+    @property
+    def _replays_engine_log(self) -> bool:
+        """Replaying a log of the real engine: its learners' recorded mini-batches are the data."""
+        return self._replay_log is not None and self._replay_log.header["engine"] == "stale"
+
     @property
     def _running(self) -> SimulatedServer:
         assert self.server is not None, "the simulation runs from the start of training"

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import deque
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +35,8 @@ from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
+from lightning_stale.replay.real import EngineRecording, start_server_recording
+from lightning_stale.replay.setup import check_events_options, events_path
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.ending import RunEnding
 from lightning_stale.strategies.faults import FaultHandling, destroy_groups_at_exit, watched_launcher
@@ -104,6 +109,15 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         shared_memory: on the central path, a learner on rank 0's host exchanges payloads through
             a file in ``/dev/shm`` mapped by both processes, headers over gloo (learners on other
             hosts, or where ``/dev/shm`` lacks the space, use gloo). False: gloo for all.
+        record_events: write the run's event log (docs/replay.md): True for ``events.jsonl``
+            beside the delay trace, a ``.jsonl`` path for that file, any other path for
+            ``events.jsonl`` in that folder; False (default) for none. Every learner writes a
+            side log next to it, which rank 0 merges at the end of the fit (the ranks must share
+            a file system); ``stats["events_path"]`` names the log. While recording, each
+            learner seeds torch's generators before each mini-batch it computes (its dropout can
+            be drawn again).
+        digest_every: with ``record_events``, a digest of the server's parameters and optimizer
+            state after every ``digest_every``-th update (0: at the stop only; central path).
         payload_channels: False (default): payloads go through host memory. True: on the central
             and sharded paths, payloads travel on point-to-point groups of the default group's
             backend, one per direction between two ranks, headers over gloo: on NCCL from GPU to
@@ -147,12 +161,16 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
                  overlap_allreduce: bool | None = None, payload_channels: bool = False,
+                 record_events: bool | str | os.PathLike = False, digest_every: int = 1,
                  **ddp_kwargs: Any) -> None:
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
                       hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
                       server_timeout=server_timeout, shutdown_timeout=shutdown_timeout, ddp_kwargs=ddp_kwargs)
+        check_events_options(record_events, digest_every)
         super().__init__(**ddp_kwargs)
+        self.record_events, self.digest_every = record_events, digest_every
+        self._recording: EngineRecording | None = None
         self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation, record_trace, seed)
         check_path(server, variant, on_learner_failure, self.staleness_compensation)
         self.server = server
@@ -249,6 +267,8 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         sampler, self._pushes_per_epoch = independent_sampler(
             dataloader, self.seed, self.global_rank, self.num_learners, self._limit_train_batches,
             trainer.accumulate_grad_batches)
+        if self.record_events:  # the batches' indices, for the event log
+            sampler.drawn = deque()
         self._samplers.append(sampler)
         return sampler.loader(dataloader)
 
@@ -287,11 +307,12 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                                          vectors.max_push_numel() * vectors.dtype.itemsize, self._server_group)
         if self._channels == "nccl" and self.global_rank == 0:
             log.warning(UNVERIFIED, "payload_channels=True (NCCL point-to-point groups for payloads)")
+        observer = self._start_recording(trainer)
         options = RankOptions(path=self.path, delay=self.delay, delay_is_total=self.delay_mode == "total",
                               on_learner_failure=self.on_learner_failure, server_timeout=self.server_timeout,
                               compensation=self.staleness_compensation, adaptive=self._adaptive, overlap=overlap,
                               shared_memory=self.shared_memory, shutdown_timeout=self.shutdown_timeout,
-                              channels=self._channels, timeout=self._timeout)
+                              channels=self._channels, timeout=self._timeout, observer=observer)
         learner, self._server, self._channel_ends = build_rank(
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
@@ -329,6 +350,8 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             with torch.no_grad():  # (into the storage allocated with the learner)
                 for saved, buffer in zip(self._buffers_at_start, self._fitting.vectors.buffers):
                     saved.copy_(buffer)
+        if self._recording is not None:
+            self._recording.batch_start(batch, first_micro_batch, self._fitting)
 
     @override
     def enter_validation(self) -> None:
@@ -343,9 +366,11 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         trainer, learner = self.lightning_module.trainer, self._fitting
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-            discarded, version = learner.cancelled, learner.version
+            discarded, version, carried = learner.cancelled, learner.version, learner.carried
             self.guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
+            if self._recording is not None:
+                self._recording.after_step(learner, carried)
             if learner.cancelled > discarded and learner.version == version and not learner.stopped:
                 # Discarded with no new parameters (it started after an epoch's end): as if it
                 # never ran, so its forward passes leave no trace in the buffers either.
@@ -371,6 +396,39 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             schedules.metrics.update(metrics)
         elif self._server is not None:
             self._server.report_metrics(metrics)
+
+    # ------------------------------------------------------------------ event log
+    def _start_recording(self, trainer) -> Any:
+        """With ``record_events``: this rank's side log and, on rank 0, the server core's
+        observer (returned; None elsewhere). Rank 0 names the log's path for every rank."""
+        self._recording = None
+        if not self.record_events:
+            return None
+        if self._resume is not None:
+            if self.global_rank == 0:
+                log.warning("a resumed fit is not recorded: an event log starts with its run")
+            return None
+        path = events_path(self.record_events, trainer) if self.global_rank == 0 else None
+        path = self.broadcast(str(path) if path is not None else None, src=0)
+        sampler = self._samplers[-1] if self._samplers else None
+        self._recording = EngineRecording(Path(path), self.global_rank, self.seed, sampler)
+        if self.global_rank != 0:
+            return None
+        self._recording.recorder = start_server_recording(self, self.lightning_module, Path(path), self.path,
+                                                          self._pushes_per_epoch, self._limit_train_batches)
+        return self._recording.recorder
+
+    @override
+    def on_train_end(self) -> None:
+        recording = self._recording
+        if recording is not None:
+            recording.close_learner_log()
+        super().on_train_end()
+        if recording is not None and self._server is not None and self._final_stats is not None:
+            events = recording.finish(self._server.core, self.world_size)
+            if events is not None:
+                self._final_stats["events_path"] = events
+        self._recording = None
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -433,6 +491,9 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             if dist.is_available() and dist.is_initialized():
                 destroy_groups_at_exit(clean=not failed)
         finally:
+            if self._recording is not None:  # a failed fit: its parts stay, read as truncated
+                self._recording.abandon()
+                self._recording = None
             self.undo_patches()
             self.local_collectives = False
             try:  # (moving the module and the optimizer to the CPU, emptying the CUDA cache: each
