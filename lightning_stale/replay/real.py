@@ -20,11 +20,20 @@ import logging
 import os
 from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from lightning_stale.replay.events import EventLogError, EventWriter, batch_digest, module_layout, seed_for
+from lightning_stale.engine.state import ModelVectors
+from lightning_stale.replay.events import (
+    EventLogError,
+    EventWriter,
+    batch_digest,
+    module_layout,
+    seed_for,
+    state_digest,
+)
 from lightning_stale.replay.recorder import EventRecorder
 
 log = logging.getLogger(__name__)
@@ -203,6 +212,18 @@ class LogBatchSampler:
         yield from epoch
 
 
+def module_digest(module: Any, optimizer: Any | None) -> dict:
+    """`state_digest` of ``module``'s trainable parameters and persistent buffers and of
+    ``optimizer``'s state (None: not known, left out of the comparison)."""
+    vectors = ModelVectors.of(module)
+    view = SimpleNamespace(params=vectors.params, buffers=vectors.buffers,
+                           optimizer=optimizer if optimizer is not None else SimpleNamespace(state={}))
+    digest = state_digest(view)
+    if optimizer is None:
+        digest["optimizer_sha256"] = digest["optimizer_tensors"] = None
+    return digest
+
+
 class EngineRecording:
     """A `StaleStrategy` fit's recording on one rank: its learner's side log and, on rank 0, the
     server's recorder; the strategy forwards its hooks here (see `LearnerLog`)."""
@@ -228,11 +249,18 @@ class EngineRecording:
         """Before the learner's goodbye: the server hears it after every line is on disk."""
         self.learner_log.close()
 
-    def finish(self, core: Any, p: int) -> str | None:
+    def finish(self, core: Any, p: int, module: Any, optimizer: Any) -> str | None:
         """Rank 0, after the server's thread ended: the stop line, then the merged log's path
-        (None where the core never stopped: the server's part then reads as truncated)."""
+        (None where the core never stopped: the server's part then reads as truncated). Where
+        the core holds no state (the collective and sharded paths), the stop's digest is rank
+        0's module after the fit, which holds the final parameters, with its optimizer's state
+        on the collective path (every learner applies every update) and without it on the
+        sharded one (each owner holds a slice)."""
         if self.recorder is None:
             return None
+        stop = getattr(self.recorder, "_stop_event", None)
+        if stop is not None and stop.get("digest") is None:
+            stop["digest"] = module_digest(module, optimizer)
         self.recorder.finish(core)
         if not self.recorder._stopped:
             return None

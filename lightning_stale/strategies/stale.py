@@ -425,7 +425,8 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             recording.close_learner_log()
         super().on_train_end()
         if recording is not None and self._server is not None and self._final_stats is not None:
-            events = recording.finish(self._server.core, self.world_size)
+            optimizer = self.optimizers[0] if self.path == "collective" else None
+            events = recording.finish(self._server.core, self.world_size, self.lightning_module, optimizer)
             if events is not None:
                 self._final_stats["events_path"] = events
         self._recording = None

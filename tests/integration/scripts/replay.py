@@ -15,7 +15,8 @@ from replay_module import LIMITS, QUIET, Blobs, build_module
 torch.set_num_threads(1)
 out = Path(sys.argv[1])
 RUNS = [("async", None, "central"), ("k_batch_async", 2, "central"), ("sync", None, "central"),
-        ("k_sync", 1, "central")]
+        ("k_sync", 1, "central"), ("sync", None, "collective"), ("k_sync", 1, "collective"),
+        ("async", None, "sharded"), ("k_batch_sync", 1, "sharded")]
 
 results = {}
 for variant, k, path in RUNS:
