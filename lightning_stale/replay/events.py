@@ -64,10 +64,11 @@ class EventLogError(ValueError):
 
 
 # ---------------------------------------------------------------------- digests
-def tensor_bytes(t: Tensor) -> bytes:
-    """The raw bytes of ``t`` (any dtype), on the CPU."""
+def tensor_bytes(t: Tensor) -> Any:
+    """The raw bytes of ``t`` (any dtype), on the CPU: a buffer ``hashlib`` reads in place (no
+    copy of a large tensor's bytes)."""
     flat = t.detach().reshape(-1).cpu().contiguous()
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return flat.view(torch.uint8).numpy() if flat.numel() else b""
 
 
 def batch_digest(batch: Any) -> str:

@@ -85,9 +85,10 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             its dropout can be drawn again), which replaces the global generator's stream.
         digest_every: with ``record_events``, a digest of the server's parameters and optimizer
             state after every ``digest_every``-th update (0: at the stop only).
-        replay: the path of an event log to re-execute instead of the virtual clock: variant, K,
-            P, the seed and the arrival order come from the log (giving another variant, K or
-            P is an error); the learning rate (the module's), the optimizer and
+        replay: the path of an event log (of this engine, or of `StaleStrategy`: its learners'
+            recorded mini-batches are then the training batches) to re-execute instead of the
+            virtual clock: variant, K, P, the seed and the arrival order come from the log
+            (giving another variant, K or P is an error); the learning rate (the module's), the optimizer and
             ``staleness_compensation`` may differ. Each push is computed at its recorded version
             on its recorded mini-batch with its recorded seed. Run it with the recorded run's
             module, data and Trainer limits; afterwards ``replay_report`` says where the

@@ -407,11 +407,13 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         if self._resume is not None:
             if self.global_rank == 0:
                 log.warning("a resumed fit is not recorded: an event log starts with its run")
+            for each in self._samplers:
+                each.drawn = None
             return None
         path = events_path(self.record_events, trainer) if self.global_rank == 0 else None
         path = self.broadcast(str(path) if path is not None else None, src=0)
-        sampler = self._samplers[-1] if self._samplers else None
-        self._recording = EngineRecording(Path(path), self.global_rank, self.seed, sampler)
+        self._recording = EngineRecording(Path(path), self.global_rank, self.seed,
+                                          self._samplers[-1] if self._samplers else None)
         if self.global_rank != 0:
             return None
         self._recording.recorder = start_server_recording(self, self.lightning_module, Path(path), self.path,
