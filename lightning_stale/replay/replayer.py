@@ -227,6 +227,14 @@ class ReplayServer(SimulatedServer):
         # statistics); the simulated engine's reloads them for every push.
         self.keeps_buffers = log.header["engine"] == "stale"
         self._learner_buffers: dict[int, tuple[int, Tensor]] = {}  # learner -> (version, buffers)
+        # Learners that died (on_learner_failure="continue"), by the push they were removed before.
+        self._removals: dict[int, list[int]] = {}
+        pushes_seen = 0
+        for event in log.events:
+            if event["kind"] == "push":
+                pushes_seen += 1
+            elif event["kind"] == "remove_learner":
+                self._removals.setdefault(pushes_seen, []).append(event["learner"])
 
     def next_push(self) -> dict:
         """The next recorded push (its ``draw``, ``rng`` ...); `next_finish` moves past it."""
@@ -241,6 +249,7 @@ class ReplayServer(SimulatedServer):
         return self.log.pushes[self._next - 1]
 
     def next_finish(self) -> Finish:
+        self._remove_learners()
         push = self.next_push()
         self._next += 1
         self.now = push["t"]
@@ -282,6 +291,7 @@ class ReplayServer(SimulatedServer):
         """The replay's training is over; the pushes the log has after its stop (which arrived
         when the recorded server had stopped: counted in flight, never applied) are decided now,
         without being computed."""
+        self._remove_learners()
         self.core.stop()
         while self._next < len(self.log.pushes):
             push = self.log.pushes[self._next]
@@ -290,6 +300,15 @@ class ReplayServer(SimulatedServer):
             # (never computed: what the recorded learner drew is carried over as it is)
             self.recorder.next_push(**{k: push[k] for k in _DRAWN if k in push})
             self.core.push(push["learner"], push["version"], self.now, loss=push["loss"] or math.nan)
+
+    def _remove_learners(self) -> None:
+        """The learners the log removes before the next push, removed where the log says (K is
+        clamped to the learners left, which may complete an update)."""
+        for learner in self._removals.pop(self._next, []):
+            outcome = self.core.remove_learner(learner, self.now)
+            if outcome.update is not None:
+                self._keep(outcome.update.version)
+                self._set_k()
 
     @property
     def epochs_recorded(self) -> int:

@@ -84,6 +84,22 @@ def test_a_real_run_replays_update_for_update(recorded, name, tmp_path):
                for d in report["differences"]), report["differences"]
 
 
+def test_a_run_that_lost_a_learner_replays_with_the_removal(recorded, tmp_path):
+    """Learner 1's process dies after three steps under on_learner_failure="continue": its
+    pushes so far are in the log (its side log was flushed line by line), the removal is one
+    line where the server heard of it, and the replay removes it there too."""
+    run = recorded["k_async-central-killed"]
+    assert run["stats"]["dead_learners"] == [1] and run["stats"]["updates"] == 8
+    log = read_events(run["events_path"])
+    removals = [e for e in log.events if e["kind"] == "remove_learner"]
+    assert [e["learner"] for e in removals] == [1]
+    assert sum(p["learner"] == 1 for p in log.pushes) == 3
+    report = replay(run["events_path"], tmp_path)
+    assert report["checked_updates"] == 8 and report["max_relative_difference"] <= TOLERANCE
+    assert all(d["what"] in ("parameters (sha256)", "optimizer state (optimizer_sha256)")
+               for d in report["differences"]), report["differences"]
+
+
 def test_the_logs_name_the_merged_file_only(recorded):
     for name in RUNS:
         path = recorded[name]["events_path"]

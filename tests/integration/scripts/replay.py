@@ -2,6 +2,7 @@
 server path (tests/integration/test_replay_processes.py replays them in one process)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,12 +19,29 @@ RUNS = [("async", None, "central"), ("k_batch_async", 2, "central"), ("sync", No
         ("k_sync", 1, "central"), ("sync", None, "collective"), ("k_sync", 1, "collective"),
         ("async", None, "sharded"), ("k_batch_sync", 1, "sharded")]
 
+
+
+class DieAfterThreePushes(pl.Callback):
+    """Learner 1's process dies after its third training step (the server goes on without it)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer, *args):
+        self.steps += 1
+        if trainer.global_rank == 1 and self.steps == 3:
+            os._exit(1)
+
+
 results = {}
-for variant, k, path in RUNS:
-    name = f"{variant}-{path}"
+for variant, k, path in RUNS + [("k_async", 1, "central")]:
+    dies = (variant, k) == ("k_async", 1)
+    name = f"{variant}-{path}" + ("-killed" if dies else "")
     strategy = StaleStrategy(variant, k, delay=Exponential(0.01, seed=4), server=path, seed=2,
-                             record_events=out.parent / f"{name}.jsonl", record_trace=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, **QUIET, **LIMITS)
+                             record_events=out.parent / f"{name}.jsonl", record_trace=False,
+                             on_learner_failure="continue" if dies else "stop")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, **QUIET, **LIMITS,
+                         callbacks=[DieAfterThreePushes()] if dies else [])
     trainer.fit(build_module(), Blobs())
     if trainer.global_rank == 0:
         results[name] = {"events_path": trainer.strategy.stats.get("events_path"),
