@@ -100,6 +100,30 @@ def test_a_run_that_lost_a_learner_replays_with_the_removal(recorded, tmp_path):
                for d in report["differences"]), report["differences"]
 
 
+class HalfLearningRate(DropoutBatchNormAdamW):
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        for group in config["optimizer"].param_groups:
+            group["lr"] = group["initial_lr"] = 0.01
+        return config
+
+
+def half_learning_rate():
+    pl.seed_everything(3, verbose=False)  # the recorded run's initial parameters (build_module)
+    return HalfLearningRate()
+
+
+def test_a_counterfactual_on_a_real_arrival_pattern(recorded, tmp_path):
+    """The same arrival pattern with half the learning rate: every decision as recorded, the
+    learning rates and so the states differ from the first update on."""
+    path = recorded["k_batch_async-central"]["events_path"]
+    report = replay(path, tmp_path, half_learning_rate)
+    kinds = {d["what"] for d in report["differences"]}
+    assert report["first_differing_update"] == 1 and "update.lr" in kinds
+    assert kinds <= {"update.lr", "parameters (sha256)", "optimizer state (optimizer_sha256)", "push.loss"}
+    assert report["max_relative_difference"] > 1e-3
+
+
 def test_the_logs_name_the_merged_file_only(recorded):
     for name in RUNS:
         path = recorded[name]["events_path"]
