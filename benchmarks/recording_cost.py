@@ -3,9 +3,10 @@ real engine, side by side with recording off.
 
 Same model, data, batch size, number of processes (``--devices``, default 4) and server updates
 per fit; no injected delay. Two models: an MLP 64-267-10 (0.02M parameters) and an MLP
-64-1850-1850-10 (3.5M). Modes: ``off``; ``on`` (``digest_every=1``: a digest of the server's
-parameters and optimizer state after every update, the default); ``on_digest_every_25``;
-``on_stop_digest`` (``digest_every=0``: pushes, updates and a digest at the stop only). Throughput is training
+64-1850-1850-10 (3.5M). Modes: ``off``; ``on`` (the default, ``digest_every=100``: a digest of
+the server's parameters and optimizer state after every 100th update and at the stop);
+``on_digest_every_1`` (a digest after every update); ``on_stop_digest`` (``digest_every=0``:
+pushes, updates and a digest at the stop only). Throughput is training
 samples per second in the steady state: (samples in the gradients applied per update) /
 ``mean_update_interval_s``. ``vs_off`` is the median over repeats of (this mode's samples/s) /
 (``off``'s in the same repeat); the modes run interleaved in one launch, ``--repeats`` times,
@@ -14,7 +15,7 @@ so that load changes on the shared machine hit every mode alike. The server path
 
 Target: ``on`` >= 0.98 x ``off`` at both sizes on P = 4.
 
-    python benchmarks/recording_cost.py [--devices 4] [--steps 150] [--repeats 3]
+    python benchmarks/recording_cost.py [--devices 4] [--steps 200] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from pytorch_lightning import Trainer, seed_everything
 from _common import (MLPClassifier, base_parser, classification_loader, is_rank_zero, median, rank_print,
                      run_per_device_count, table, trainer_kwargs, write_results)
 from lightning_stale import StaleStrategy
+from lightning_stale.replay.setup import DIGEST_EVERY
 
 SIZES = {"0.02M": (267,), "3.5M": (1850, 1850)}
-MODES = {"off": None, "on": 1, "on_digest_every_25": 25, "on_stop_digest": 0}  # mode -> digest_every (None: off)
+# mode -> digest_every (None: off)
+MODES = {"off": None, "on": DIGEST_EVERY, "on_digest_every_1": 1, "on_stop_digest": 0}
 TARGET = 0.98
 
 
@@ -43,7 +46,7 @@ def measure(hidden: tuple[int, ...], digest_every: int | None, p: int, *, varian
     loader = classification_loader(batch_size * p * (steps + 50) * 2, batch_size=batch_size, seed=seed)
     record = False if digest_every is None else folder / "events.jsonl"
     strategy = StaleStrategy(variant, k, delay=None, seed=seed, record_trace=False, server=server,
-                             record_events=record, digest_every=digest_every if digest_every is not None else 1)
+                             record_events=record, digest_every=digest_every if digest_every is not None else DIGEST_EVERY)
     trainer = Trainer(devices=p, strategy=strategy, max_steps=steps, **trainer_kwargs())
     start = time.monotonic()
     trainer.fit(model, train_dataloaders=loader)
@@ -103,7 +106,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[4])
-    parser.add_argument("--steps", type=int, default=150, help="server updates per fit")
+    parser.add_argument("--steps", type=int, default=200, help="server updates per fit")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--variant", default="k_async")

@@ -20,6 +20,10 @@ from lightning_stale.replay.events import (
 from lightning_stale.replay.recorder import EventRecorder
 from lightning_stale.replay.replayer import ReplayServer
 
+# The default of ``digest_every``: a digest hashes the whole model and optimizer state (about
+# as long as an update of a 3.5M-parameter MLP on one CPU core), so one per update halves the
+# throughput; one per 100 updates, and at the stop, costs about 1% (docs/benchmarks/recording_cost.md).
+DIGEST_EVERY = 100
 TRAINER_LIMITS = ("max_steps", "max_epochs", "limit_train_batches", "accumulate_grad_batches",
                   "num_training_batches")
 

@@ -36,6 +36,7 @@ from lightning_stale.replay.real import LogBatchSampler
 from lightning_stale.replay.recorder import EventRecorder
 from lightning_stale.replay.replayer import ReplayServer
 from lightning_stale.replay.setup import (
+    DIGEST_EVERY,
     check_events_options,
     combined_digest,
     events_path,
@@ -84,7 +85,8 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             each push with a seed derived from ``seed``, the learner and its push index (so that
             its dropout can be drawn again), which replaces the global generator's stream.
         digest_every: with ``record_events``, a digest of the server's parameters and optimizer
-            state after every ``digest_every``-th update (0: at the stop only).
+            state after every ``digest_every``-th update and at the stop (default 100: about 1%
+            of the throughput; 1 checks every update; 0: at the stop only).
         replay: the path of an event log (of this engine, or of `StaleStrategy`: its learners'
             recorded mini-batches are then the training batches) to re-execute instead of the
             virtual clock: variant, K, P, the seed and the arrival order come from the log
@@ -123,7 +125,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
                  staleness_compensation: str | dict | StalenessCompensation | None = None,
                  seed: int = 0, record_trace: bool | str | os.PathLike | None = None,
                  device: str | torch.device | None = None,
-                 record_events: bool | str | os.PathLike = False, digest_every: int = 1,
+                 record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
                  replay: str | os.PathLike | None = None, **kwargs: Any) -> None:
         # (the Lightning base is joined at import, `strategies.namespaces`: not visible here)
         super().__init__(device="cpu" if device is None else device, **kwargs)  # type: ignore[call-arg]

@@ -249,5 +249,5 @@ def test_server_engine_gets_variant_k_and_delay_object(monkeypatch):
     assert strategy.hold_freed_memory is True and strategy.shared_memory is True
     # overlap where the default group is gloo (None); no device channels (never run on GPUs)
     assert strategy.overlap_allreduce is None and strategy.payload_channels is False
-    assert strategy.record_events is False and strategy.digest_every == 1  # no event log unless asked
+    assert strategy.record_events is False and strategy.digest_every == 100  # no event log unless asked
     assert isinstance(strategy.delay, ShiftedExponential) and strategy.delay.shift == 0.01

@@ -47,7 +47,8 @@ def _fit(strategy, tmp_path):
 
 
 def test_a_one_process_run_is_recorded_and_replays_bit_for_bit(single_process, tmp_path):
-    trainer = _fit(StaleStrategy("k_async", 1, record_events=True, record_trace=False, seed=3), tmp_path)
+    trainer = _fit(StaleStrategy("k_async", 1, record_events=True, digest_every=1, record_trace=False,
+                                 seed=3), tmp_path)
     path = trainer.strategy.stats["events_path"]
     assert path == str(tmp_path / "events.jsonl")
     assert sorted(p.name for p in tmp_path.glob("events*")) == ["events.jsonl"]  # the parts merged
@@ -118,4 +119,4 @@ def test_the_app_passes_record_events_and_digest_every(engine, overrides):
     assert cfg.engine.name == engine
     assert cfg.engine.strategy.record_events is True and cfg.engine.strategy.digest_every == 5
     default = compose_config("train", ["race=none", *overrides])
-    assert default.engine.strategy.record_events is False and default.engine.strategy.digest_every == 1
+    assert default.engine.strategy.record_events is False and default.engine.strategy.digest_every == 100

@@ -38,7 +38,7 @@ for variant, k, path in RUNS + [("k_async", 1, "central")]:
     dies = (variant, k) == ("k_async", 1)
     name = f"{variant}-{path}" + ("-killed" if dies else "")
     strategy = StaleStrategy(variant, k, delay=Exponential(0.01, seed=4), server=path, seed=2,
-                             record_events=out.parent / f"{name}.jsonl", record_trace=False,
+                             record_events=out.parent / f"{name}.jsonl", digest_every=1, record_trace=False,
                              on_learner_failure="continue" if dies else "stop")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, **QUIET, **LIMITS,
                          callbacks=[DieAfterThreePushes()] if dies else [])
