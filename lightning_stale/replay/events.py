@@ -137,6 +137,16 @@ def seed_for(seed: int, learner: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def seed_generators(seed: int) -> None:
+    """What `torch.manual_seed` does to the generators a push draws from (the CPU's, and CUDA's
+    once CUDA is in use), without its cost on the others: seeding every backend's generators
+    (CUDA's queued lazily where CUDA is not in use, XPU's) takes about 0.2 ms, a tenth of an
+    update of a small model on a CPU."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 # ---------------------------------------------------------------------- writing
 class EventWriter:
     """Writes events to ``path`` as JSON Lines (buffered; `close` flushes)."""

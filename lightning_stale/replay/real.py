@@ -23,8 +23,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.replay.events import (
     EventLogError,
@@ -32,6 +30,7 @@ from lightning_stale.replay.events import (
     batch_digest,
     module_layout,
     seed_for,
+    seed_generators,
     state_digest,
 )
 from lightning_stale.replay.recorder import EventRecorder
@@ -101,7 +100,7 @@ class LearnerLog:
         if first or self.current is None:
             rng = seed_for(self.seed, self.rank, self.computations)
             self.computations += 1
-            torch.manual_seed(rng)  # the push's dropout, drawn again by a replay
+            seed_generators(rng)  # the push's dropout, drawn again by a replay
             self.current = {"version": version, "rng": rng, "indices": [], "batch": []}
         self.current["indices"].append(self.drawn.popleft() if self.drawn else None)
         self.current["batch"].append(batch_digest(batch))

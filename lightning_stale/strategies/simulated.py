@@ -31,7 +31,7 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
-from lightning_stale.replay.events import batch_digest, seed_for
+from lightning_stale.replay.events import batch_digest, seed_for, seed_generators
 from lightning_stale.replay.real import LogBatchSampler
 from lightning_stale.replay.recorder import EventRecorder
 from lightning_stale.replay.replayer import ReplayServer
@@ -264,7 +264,7 @@ class SimulatedStaleStrategy(ServerStrategyMixin):
             if self._recorder is not None:
                 self._push_draw = {"draw": self._draws, "batches": 0, "batch": [],
                                    "rng": self._push_seed(self._finish)}
-                torch.manual_seed(self._push_draw["rng"])  # dropout drawn again in a replay
+                seed_generators(self._push_draw["rng"])  # dropout drawn again in a replay
         if self._recorder is not None:
             self._push_draw["batches"] += 1
             self._push_draw["batch"].append(batch_digest(batch))
