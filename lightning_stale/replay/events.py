@@ -64,10 +64,11 @@ class EventLogError(ValueError):
 
 
 # ---------------------------------------------------------------------- digests
-def tensor_bytes(t: Tensor) -> bytes:
-    """The raw bytes of ``t`` (any dtype), on the CPU."""
+def tensor_bytes(t: Tensor) -> Any:
+    """The raw bytes of ``t`` (any dtype), on the CPU: a buffer ``hashlib`` reads in place (no
+    copy of a large tensor's bytes)."""
     flat = t.detach().reshape(-1).cpu().contiguous()
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return flat.view(torch.uint8).numpy() if flat.numel() else b""
 
 
 def batch_digest(batch: Any) -> str:
@@ -134,6 +135,16 @@ def seed_for(seed: int, learner: int, index: int) -> int:
     """The seed of push ``index`` of ``learner`` in a run seeded ``seed`` (63 bits of a sha256)."""
     digest = hashlib.sha256(f"{seed}:{learner}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_generators(seed: int) -> None:
+    """What `torch.manual_seed` does to the generators a push draws from (the CPU's, and CUDA's
+    once CUDA is in use), without its cost on the others: seeding every backend's generators
+    (CUDA's queued lazily where CUDA is not in use, XPU's) takes about 0.2 ms, a tenth of an
+    update of a small model on a CPU."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
 
 
 # ---------------------------------------------------------------------- writing

@@ -34,6 +34,7 @@ from lightning_stale.replay.recorder import EventRecorder
 MAX_DIFFERENCES = 20  # differences listed in the report (all are counted)
 _PUSH_FIELDS = ("learner", "index", "version", "accepted", "dropped", "update", "cancel", "draw",
                 "batches", "batch", "loss")
+_DRAWN = ("draw", "batches", "batch", "rng", "indices")  # what a push drew
 _UPDATE_FIELDS = ("version", "contributions", "learners", "staleness", "weights", "lr", "k")
 
 
@@ -45,6 +46,7 @@ class ReplayComparison:
         self.differences: list[dict] = []
         self.count = 0
         self.checked_updates = 0
+        self.final_checked = False  # the stop's digest was compared
         self.max_relative_difference = 0.0
         self.first_differing_update: int | None = None
         self._seen: defaultdict[str, int] = defaultdict(int)
@@ -72,8 +74,8 @@ class ReplayComparison:
             self._push(event)
         elif kind == "update":
             self._update(event)
-        elif kind in ("epoch_end", "validation"):
-            self._other(event)
+        elif kind == "epoch_end" or (kind == "validation" and self.log.header["engine"] != "stale"):
+            self._other(event)  # (the real engine records no validation: its metrics are rank 0's)
 
     path = None
 
@@ -98,6 +100,8 @@ class ReplayComparison:
             return
         theirs = self.log.updates[j - 1]
         for name in _UPDATE_FIELDS:
+            if name == "lr" and theirs.get("lr") is None:
+                continue  # a server that does not apply updates does not know them
             if _plain(name, theirs) != _plain(name, mine):
                 self.differ(f"update.{name}", theirs.get(name), mine.get(name), update=j)
         if "digest" in theirs and "digest" in mine:
@@ -108,6 +112,8 @@ class ReplayComparison:
         layout = self.log.header["parameters"]
         for key, label in (("tensors", "parameters"), ("optimizer_tensors", "optimizer state")):
             a_list, b_list = theirs[key], mine[key]
+            if a_list is None:  # not recorded (the sharded path's optimizer state)
+                continue
             if len(a_list) != len(b_list):
                 self.differ(f"{label} tensors", len(a_list), len(b_list), update=update)
                 continue
@@ -150,6 +156,7 @@ class ReplayComparison:
             self.differ("updates", stop["updates"], updates)
         if stop.get("digest") and final_digest:
             self.compare_digests(stop["digest"], final_digest, None)
+            self.final_checked = True
 
     def late_loss(self) -> dict:
         """Mean training loss of the last quarter of the pushes, recorded and replayed: how the
@@ -165,7 +172,7 @@ class ReplayComparison:
                 "replayed": mean(self._losses[start:n])}
 
     def report(self) -> dict:
-        return {"checked_updates": self.checked_updates,
+        return {"checked_updates": self.checked_updates, "final_checked": self.final_checked,
                 "max_relative_difference": self.max_relative_difference,
                 "differences": list(self.differences), "difference_count": self.count,
                 "first_differing_update": self.first_differing_update,
@@ -215,6 +222,19 @@ class ReplayServer(SimulatedServer):
         self._versions: dict[int, Tensor] = {}
         self._keep(0)
         self._set_k()
+        # The real engine's learner loads a version's parameters and buffers once, and computes
+        # its next push at the same version with the buffers its forward passes left (BatchNorm
+        # statistics); the simulated engine's reloads them for every push.
+        self.keeps_buffers = log.header["engine"] == "stale"
+        self._learner_buffers: dict[int, tuple[int, Tensor]] = {}  # learner -> (version, buffers)
+        # Learners that died (on_learner_failure="continue"), by the push they were removed before.
+        self._removals: dict[int, list[int]] = {}
+        pushes_seen = 0
+        for event in log.events:
+            if event["kind"] == "push":
+                pushes_seen += 1
+            elif event["kind"] == "remove_learner":
+                self._removals.setdefault(pushes_seen, []).append(event["learner"])
 
     def next_push(self) -> dict:
         """The next recorded push (its ``draw``, ``rng`` ...); `next_finish` moves past it."""
@@ -229,6 +249,7 @@ class ReplayServer(SimulatedServer):
         return self.log.pushes[self._next - 1]
 
     def next_finish(self) -> Finish:
+        self._remove_learners()
         push = self.next_push()
         self._next += 1
         self.now = push["t"]
@@ -238,10 +259,17 @@ class ReplayServer(SimulatedServer):
         if finish.version not in self._versions:
             raise RuntimeError(f"the log asks for version {finish.version}, which the replay never "
                                f"made (it is at version {self.core.version})")
-        return self._versions[finish.version]
+        kept = self._learner_buffers.get(finish.learner)
+        if kept is None or kept[0] != finish.version:
+            return self._versions[finish.version]
+        vector = self._versions[finish.version].clone()
+        vector[self.state.vectors.numel:] = kept[1]
+        return vector
 
     def push(self, finish: Finish, contribution: Contribution | None, loss: float, samples: int,
              unusable: str | None = None) -> Outcome:
+        if self.keeps_buffers and contribution is not None and contribution.buffers is not None:
+            self._learner_buffers[finish.learner] = (finish.version, contribution.buffers.clone())
         outcome = self.core.push(finish.learner, finish.version, self.now, contribution=contribution,
                                  loss=loss, samples=samples, unusable=unusable)
         if outcome.update is not None:
@@ -258,6 +286,33 @@ class ReplayServer(SimulatedServer):
 
     def stats(self) -> dict:
         return {**self.core.stats(), "virtual_time_s": self.now}
+
+    def stop(self) -> None:
+        """The replay's training is over; the pushes the log has after its stop (which arrived
+        when the recorded server had stopped: counted in flight, never applied) are decided now,
+        without being computed."""
+        self._remove_learners()
+        self.core.stop()
+        while self._next < len(self.log.pushes):
+            push = self.log.pushes[self._next]
+            self._next += 1
+            self.now = push["t"]
+            # (never computed: what the recorded learner drew is carried over as it is)
+            self.recorder.next_push(**{k: push[k] for k in _DRAWN if k in push})
+            self.core.push(push["learner"], push["version"], self.now, loss=push["loss"] or math.nan)
+
+    def _remove_learners(self) -> None:
+        """The learners the log removes before the next push, removed where the log says (K is
+        clamped to the learners left, which may complete an update)."""
+        for learner in self._removals.pop(self._next, []):
+            outcome = self.core.remove_learner(learner, self.now)
+            if outcome.update is not None:
+                self._keep(outcome.update.version)
+                self._set_k()
+
+    @property
+    def epochs_recorded(self) -> int:
+        return sum(e["kind"] == "epoch_end" for e in self.log.events)
 
     def finish(self) -> dict:
         """Compare the end of the replay with the log's; returns the report."""

@@ -20,6 +20,10 @@ from lightning_stale.replay.events import (
 from lightning_stale.replay.recorder import EventRecorder
 from lightning_stale.replay.replayer import ReplayServer
 
+# The default of ``digest_every``: a digest hashes the whole model and optimizer state (about
+# as long as an update of a 3.5M-parameter MLP on one CPU core), so one per update halves the
+# throughput; one per 100 updates, and at the stop, costs about 1% (docs/benchmarks/recording_cost.md).
+DIGEST_EVERY = 100
 TRAINER_LIMITS = ("max_steps", "max_epochs", "limit_train_batches", "accumulate_grad_batches",
                   "num_training_batches")
 
@@ -85,9 +89,9 @@ def replay_log(path: Any, variant: Any, k: Any, num_learners: Any, adaptive_k: A
         raise ValueError("a replay takes K from the log, update by update: do not pass adaptive_k")
     log = read_events(path)
     header = log.header
-    if header["engine"] != "simulated":
+    if header["engine"] not in ("simulated", "stale"):
         raise EventLogError(f"{log.path} was recorded by the {header['engine']!r} engine; this "
-                            "replay re-executes logs of the simulated engine")
+                            "replay re-executes logs of the simulated engine and of StaleStrategy")
     asked = {"variant": (variant, header["variant"]), "num_learners": (num_learners, header["p"])}
     if k is not None:
         asked["k"] = (k, header["k"])
@@ -99,11 +103,14 @@ def replay_log(path: Any, variant: Any, k: Any, num_learners: Any, adaptive_k: A
 
 
 def start_replay(log: EventLog, module: Any, optimizer: Any, state: Any, variant: Any,
-                 compensation: Any) -> ReplayServer:
+                 compensation: Any, limit_train_batches: Any = None) -> ReplayServer:
     """The `ReplayServer` of ``log`` for this fit, once the module and the Trainer are known:
-    refuses a log of another model (names and shapes) or of other Trainer limits."""
+    refuses a log of another model (names and shapes) or of other Trainer limits
+    (``limit_train_batches``: the user's, where the replay set the Trainer's aside)."""
     check_layout(log.header["parameters"], module, log.path)
     recorded, mine = log.header.get("trainer", {}), trainer_limits(module.trainer)
+    if limit_train_batches is not None:
+        mine["limit_train_batches"] = _plain(limit_train_batches)
     other = [f"{name}={mine[name]!r} (recorded: {recorded[name]!r})" for name in recorded
              if recorded[name] != mine.get(name)]
     if other:

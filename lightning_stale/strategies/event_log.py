@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.method.virtual_clock import Finish
-from lightning_stale.replay.events import batch_digest, seed_for
+from lightning_stale.replay.events import batch_digest, seed_for, seed_generators
 from lightning_stale.replay.recorder import EventRecorder
 from lightning_stale.replay.replayer import ReplayServer
 from lightning_stale.replay.setup import (
@@ -46,9 +44,14 @@ class EventLogMixin:
         if restored is not None:
             raise ValueError("a replay starts from the recorded run's start: fit it without ckpt_path")
         replaying = start_replay(self._replay_log, module, self.optimizers[0], state,
-                                 self.variant, self.staleness_compensation)
+                                 self.variant, self.staleness_compensation, self._limit_train_batches)
         self.server, self._recorder = replaying, replaying.recorder
         return True
+
+    @property
+    def _replays_engine_log(self) -> bool:
+        """Replaying a log of the real engine: its learners' recorded mini-batches are the data."""
+        return self._replay_log is not None and self._replay_log.header["engine"] == "stale"
 
     def _start_recording(self, module: Any) -> None:
         """Record the new simulation's events, with ``record_events``."""
@@ -63,7 +66,7 @@ class EventLogMixin:
             if starting is not None:
                 self._push_draw = {"draw": self._draws, "batches": 0, "batch": [],
                                    "rng": self._push_seed(starting)}
-                torch.manual_seed(self._push_draw["rng"])  # dropout drawn again in a replay
+                seed_generators(self._push_draw["rng"])  # dropout drawn again in a replay
             self._push_draw["batches"] += 1
             self._push_draw["batch"].append(batch_digest(batch))
         self._draws += 1

@@ -4,6 +4,7 @@ and the Trainer options that epochs shaped by the server rule out."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterator, Sized
 from typing import Any, cast
 
@@ -72,6 +73,7 @@ class IndependentBatchSampler:
         self.num_samples, self.batch_size = num_samples, batch_size
         self.generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(rank))
         self.epoch_over: Callable[[], bool] = lambda: False
+        self.drawn: deque[list[int]] | None = None  # each batch's indices, kept for an event log
 
     def loader(self, dataloader: DataLoader) -> DataLoader:
         """``dataloader`` drawing its batches with this sampler."""
@@ -82,4 +84,7 @@ class IndependentBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         while not self.epoch_over():
-            yield torch.randint(self.num_samples, (self.batch_size,), generator=self.generator).tolist()
+            batch = torch.randint(self.num_samples, (self.batch_size,), generator=self.generator).tolist()
+            if self.drawn is not None:
+                self.drawn.append(batch)
+            yield batch

@@ -34,7 +34,9 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
-from lightning_stale.replay.setup import replay_log
+from lightning_stale.replay.real import LogBatchSampler
+from lightning_stale.replay.replayer import ReplayServer
+from lightning_stale.replay.setup import DIGEST_EVERY, replay_log
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.event_log import EventLogMixin
 from lightning_stale.strategies.lightning_api import set_global_step, set_root_device, with_sampler
@@ -78,10 +80,12 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
             each push with a seed derived from ``seed``, the learner and its push index (so that
             its dropout can be drawn again), which replaces the global generator's stream.
         digest_every: with ``record_events``, a digest of the server's parameters and optimizer
-            state after every ``digest_every``-th update (0: at the stop only).
-        replay: the path of an event log to re-execute instead of the virtual clock: variant, K,
-            P, the seed and the arrival order come from the log (giving another variant, K or
-            P is an error); the learning rate (the module's), the optimizer and
+            state after every ``digest_every``-th update and at the stop (default 100: about 1%
+            of the throughput; 1 checks every update; 0: at the stop only).
+        replay: the path of an event log (of this engine, or of `StaleStrategy`: its learners'
+            recorded mini-batches are then the training batches) to re-execute instead of the
+            virtual clock: variant, K, P, the seed and the arrival order come from the log
+            (giving another variant, K or P is an error); the learning rate (the module's), the optimizer and
             ``staleness_compensation`` may differ. Each push is computed at its recorded version
             on its recorded mini-batch with its recorded seed. Run it with the recorded run's
             module, data and Trainer limits; afterwards ``replay_report`` says where the
@@ -130,7 +134,7 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
                  staleness_compensation: str | dict | StalenessCompensation | None = None,
                  seed: int = 0, record_trace: bool | str | os.PathLike | None = None,
                  device: str | torch.device | None = None,
-                 record_events: bool | str | os.PathLike = False, digest_every: int = 1,
+                 record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
                  replay: str | os.PathLike | None = None, local_steps: int = 1,
                  outer_optimizer: str | dict | None = None, **kwargs: Any) -> None:
         # (the Lightning base is joined at import, `strategies.namespaces`: not visible here)
@@ -188,6 +192,11 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
         if not self.fitting():
             super().setup(trainer)
             return
+        self._limit_train_batches = None
+        if self._replays_engine_log:
+            # The log's epochs are the replay's: Lightning must not cut them.
+            self._limit_train_batches = trainer.limit_train_batches
+            self.patch(trainer, "limit_train_batches", 1.0)
         trainer.fit_loop.setup_data()  # before configure_optimizers: estimated_stepping_batches
         pushes = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches / self.local_steps)
         with self.counting_updates(trainer, pushes):
@@ -276,8 +285,10 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
         if self.server is None:
             return
         self._load_server_parameters()
-        if self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            self._end_epoch()  # the last epoch ended too
+        last_batch = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if last_batch and (not isinstance(self.server, ReplayServer)
+                           or self.server.core.epoch < self.server.epochs_recorded):
+            self._end_epoch()  # the last epoch ended too (in a replay: if the log's did)
         self.server.stop()
         # The learner's optimizer takes the server's state, as the module its parameters: what
         # Lightning saves after fit (its checkpoint slots) is the server's. (With local updates
@@ -333,6 +344,11 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         dataset = getattr(dataloader, "dataset", None)
+        if self._replays_engine_log and isinstance(dataloader, DataLoader):
+            assert self._replay_log is not None
+            return DataLoader(dataset, batch_sampler=LogBatchSampler(self._replay_log),  # type: ignore[arg-type]
+                              num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
+                              pin_memory=dataloader.pin_memory)
         if not isinstance(dataloader, DataLoader) or isinstance(dataset, IterableDataset):
             rank_zero_warn(f"{type(self).__name__} cannot make this training loader draw with "
                            "replacement (not a DataLoader over a map-style dataset): its batches "

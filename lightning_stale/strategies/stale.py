@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -21,30 +22,27 @@ from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.paths.base import CheckpointPart, CheckpointView, LearnerSide
 from lightning_stale.engine.distributed.paths.registry import (
     check_path,
-    overlap_allreduce,
     path_named,
-    settle_channels,
     settle_path,
 )
 from lightning_stale.engine.distributed.ranks import RankOptions, build_rank
 from lightning_stale.engine.distributed.server import ParameterServer
-from lightning_stale.engine.state import ModelVectors
 from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import VARIANT_NAMES
+from lightning_stale.replay.setup import DIGEST_EVERY
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.ending import RunEnding
 from lightning_stale.strategies.faults import FaultHandling, destroy_groups_at_exit, watched_launcher
 from lightning_stale.strategies.lightning_api import (
-    hooks_after_backward,
-    process_group_backend,
     replace_sigterm_broadcast,
     set_global_step,
 )
 from lightning_stale.strategies.local_updates import refuse_on_real_engine
 from lightning_stale.strategies.namespaces import register_everywhere
-from lightning_stale.strategies.options import DELAY_MODES, check_options
+from lightning_stale.strategies.options import DELAY_MODES, check_launch, check_options, settle_transport
 from lightning_stale.strategies.pace import OwnPaceCollectives
+from lightning_stale.strategies.recording import EventRecording
 from lightning_stale.strategies.sampling import IndependentBatchSampler, check_trainer_options, independent_sampler
 
 __all__ = ["DELAY_MODES", "StaleStrategy"]  # (the benchmarks' parsers read the delay modes here)
@@ -52,12 +50,9 @@ __all__ = ["DELAY_MODES", "StaleStrategy"]  # (the benchmarks' parsers read the 
 log = logging.getLogger(__name__)
 
 _SERVER_GROUP_TIMEOUT = timedelta(days=7)  # a gloo timeout kills the connection: never hit it
-# Routes that have not run on two or more GPUs: never a default, logged when asked for.
-UNVERIFIED = ("%s: this route has not run on two or more GPUs yet (see the documentation's GPU "
-              "page); pass False to use the verified route")
 
 
-class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
+class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
 
     A drop-in for ``strategy="ddp"``: the P learners are the Trainer's processes (devices x
@@ -105,6 +100,13 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         shared_memory: on the central path, a learner on rank 0's host exchanges payloads through
             a file in ``/dev/shm`` mapped by both processes, headers over gloo (learners on other
             hosts, or where ``/dev/shm`` lacks the space, use gloo). False: gloo for all.
+        record_events: write the run's event log (docs/replay.md): True for ``events.jsonl``
+            beside the delay trace, a ``.jsonl`` path, or a folder; False (default) for none.
+            The ranks must share a file system; ``stats["events_path"]`` names the log. Each
+            learner then seeds torch's generators before each mini-batch (dropout replays).
+        digest_every: with ``record_events``, a digest of the server's parameters and optimizer
+            state after every ``digest_every``-th update and at the stop (default 100: about 1%
+            of the throughput; 1 checks every update; 0: at the stop only; central path).
         payload_channels: False (default): payloads go through host memory. True: on the central
             and sharded paths, payloads travel on point-to-point groups of the default group's
             backend, one per direction between two ranks, headers over gloo: on NCCL from GPU to
@@ -150,6 +152,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                  on_learner_failure: str = "stop", server: str = "auto", server_timeout: float = 30.0,
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
                  overlap_allreduce: bool | None = None, payload_channels: bool = False,
+                 record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
                  local_steps: int = 1, **ddp_kwargs: Any) -> None:
         refuse_on_real_engine(local_steps)  # local updates: SimulatedStaleStrategy for now
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
@@ -157,6 +160,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
                       server_timeout=server_timeout, shutdown_timeout=shutdown_timeout, ddp_kwargs=ddp_kwargs)
         super().__init__(**ddp_kwargs)
+        self._init_recording(record_events, digest_every)
         self._init_server_options(variant, k, delay, adaptive_k, staleness_compensation, record_trace, seed)
         check_path(server, variant, on_learner_failure, self.staleness_compensation)
         self.server = server
@@ -197,14 +201,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
     def _configure_launcher(self) -> None:
         # Runs in the launching process when the Trainer is built: fail before any process starts.
         self.check_namespace()
-        on_cpu = all(d.type == "cpu" for d in (self.parallel_devices or []))
-        if on_cpu and process_group_backend(self) == "nccl":
-            raise ValueError("process_group_backend='nccl' needs GPUs, but this Trainer runs on CPU: "
-                             "use 'gloo' or leave it unset (the server's own traffic is always gloo)")
-        variant = self.settle_variant(self.num_learners)
-        if self.on_learner_failure == "continue" and variant.k == variant.p and self._adaptive is None:
-            raise ValueError(f"on_learner_failure='continue' needs K < P, got K = P = {variant.p}: "
-                             "every update would wait for the dead learner")
+        check_launch(self)
         super()._configure_launcher()
         self._launcher = watched_launcher(
             self._launcher,  # type: ignore[has-type]  # Lightning's, set just above: not visible to a mixin
@@ -253,6 +250,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         sampler, self._pushes_per_epoch = independent_sampler(
             dataloader, self.seed, self.global_rank, self.num_learners, self._limit_train_batches,
             trainer.accumulate_grad_batches)
+        self._note_draws(sampler)
         self._samplers.append(sampler)
         return sampler.loader(dataloader)
 
@@ -272,30 +270,13 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
                                        cpu=self.root_device.type == "cpu")
         limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
-        default_backend = dist.get_backend() if self.world_size > 1 else None
-        plain_steps = (trainer.accumulate_grad_batches == 1 and self.lightning_module.automatic_optimization
-                       and getattr(self.precision_plugin, "scaler", None) is None)
-        overlap = overlap_allreduce(self.overlap_allreduce, default_backend, self.path, variant, self._adaptive,
-                                    plain_steps)
-        # (no user hook that may change gradients after backward: a round's gradient is the one pushed)
-        hooks = hooks_after_backward(self.lightning_module, trainer.callbacks) if overlap else []
-        if hooks and self.global_rank == 0:
-            log.info("overlap_allreduce: the all-reduce follows the server's decision, after %s, "
-                     "which may change the gradients", ", ".join(hooks))
-        overlap = overlap and not hooks
-        if overlap and default_backend == "nccl" and self.global_rank == 0:
-            log.warning(UNVERIFIED, "overlap_allreduce=True (the overlap's own NCCL group)")
-        vectors = ModelVectors.of(self.lightning_module)
-        self._channels = settle_channels(self.payload_channels, self.path, self.world_size, default_backend,
-                                         self.root_device, self.on_learner_failure,
-                                         vectors.max_push_numel() * vectors.dtype.itemsize, self._server_group)
-        if self._channels == "nccl" and self.global_rank == 0:
-            log.warning(UNVERIFIED, "payload_channels=True (NCCL point-to-point groups for payloads)")
+        overlap, self._channels = settle_transport(self, trainer, variant)
+        observer = self._start_recording(trainer)
         options = RankOptions(path=self.path, delay=self.delay, delay_is_total=self.delay_mode == "total",
                               on_learner_failure=self.on_learner_failure, server_timeout=self.server_timeout,
                               compensation=self.staleness_compensation, adaptive=self._adaptive, overlap=overlap,
                               shared_memory=self.shared_memory, shutdown_timeout=self.shutdown_timeout,
-                              channels=self._channels, timeout=self._timeout)
+                              channels=self._channels, timeout=self._timeout, observer=observer)
         learner, self._server, self._channel_ends = build_rank(
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
@@ -333,6 +314,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             with torch.no_grad():  # (into the storage allocated with the learner)
                 for saved, buffer in zip(self._buffers_at_start, self._fitting.vectors.buffers):
                     saved.copy_(buffer)
+        self._record_batch_start(batch, first_micro_batch, self._fitting)
 
     @override
     def enter_validation(self) -> None:
@@ -347,9 +329,10 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
         trainer, learner = self.lightning_module.trainer, self._fitting
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-            discarded, version = learner.cancelled, learner.version
+            discarded, version, carried = learner.cancelled, learner.version, learner.carried
             self.guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
+            self._record_step(learner, carried)
             if learner.cancelled > discarded and learner.version == version and not learner.stopped:
                 # Discarded with no new parameters (it started after an epoch's end): as if it
                 # never ran, so its forward passes leave no trace in the buffers either.
@@ -437,6 +420,7 @@ class StaleStrategy(RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategy
             if dist.is_available() and dist.is_initialized():
                 destroy_groups_at_exit(clean=not failed)
         finally:
+            self._abandon_recording()
             self.undo_patches()
             self.local_collectives = False
             try:  # (moving the module and the optimizer to the CPU, emptying the CUDA cache: each

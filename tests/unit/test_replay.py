@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engines import QUIET
-from lightning_stale import SimulatedStaleStrategy
+from lightning_stale import SimulatedStaleStrategy, StaleStrategy
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.replay import FORMAT_VERSION, EventLogError, read_events
 from user_modules import BlobData, WarmupAdamW
@@ -47,6 +47,7 @@ def _fit(strategy, tmp_path, make_model=DropoutBatchNorm, **trainer):
 def _record(tmp_path, variant="k_batch_async", k=2, **options):
     from lightning_stale.delays import Exponential
 
+    options.setdefault("digest_every", 1)  # every update checked (the default checks every 100th)
     strategy = SimulatedStaleStrategy(variant, k, num_learners=3, delay=Exponential(1.0, seed=3),
                                       record_events=True, seed=5, **options)
     trainer = _fit(strategy, tmp_path)
@@ -83,6 +84,19 @@ def test_every_variant_replays_bit_for_bit(tmp_path, variant, k):
     assert report["max_relative_difference"] == 0.0
     for a, b in zip(recorded.model.state_dict().values(), replayed.model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_the_default_digests_every_100th_update_and_the_stop(tmp_path):
+    from lightning_stale.replay.setup import DIGEST_EVERY
+
+    assert DIGEST_EVERY == 100 and SimulatedStaleStrategy().digest_every == DIGEST_EVERY
+    assert StaleStrategy().digest_every == DIGEST_EVERY
+    trainer = _fit(SimulatedStaleStrategy("k_async", 1, num_learners=3, record_events=True, seed=5), tmp_path)
+    log = read_events(trainer.strategy.stats["events_path"])
+    assert log.header["digest_every"] == DIGEST_EVERY and 0 < len(log.updates) < DIGEST_EVERY
+    assert not any("digest" in u for u in log.updates) and log.stop["digest"]["sha256"]
+    report, _ = _replay(trainer.strategy.stats["events_path"], tmp_path / "replay")
+    assert report["checked_updates"] == 0 and report["final_checked"] and report["identical"]
 
 
 def test_log_holds_what_the_format_says(tmp_path):

@@ -46,6 +46,8 @@ class RankOptions:
     # the strategy's ``timeout`` (None: torch's default), for the overlap's group as for the
     # default one: on NCCL, the time after which torch's watchdog ends a collective left waiting
     timeout: datetime.timedelta | None = None
+    # rank 0's server core tells it about pushes, updates and epochs (`replay.EventRecorder`)
+    observer: Any = None
 
 
 def spread_path_problem(name: str, on_learner_failure: str,
