@@ -115,3 +115,28 @@ def test_simulated_strategy_logs_a_growing_k():
     assert schedule.history == [(0.0, 1)]  # the caller's object is left untouched
     with pytest.raises(ValueError, match="k=2 disagrees with adaptive_k's k0=1"):
         SimulatedStaleStrategy("k_async", k=2, adaptive_k=schedule)
+
+
+def test_limit_caps_k_at_p_learners_and_refuses_a_k0_above_p():
+    # the engine's P caps K: a max_k above P is lowered to P, one below P stays
+    given_none, above, below = AdaptiveK(2, 1.0), AdaptiveK(2, 1.0, max_k=6), AdaptiveK(2, 1.0, max_k=3)
+    for schedule in (given_none, above, below):
+        schedule.limit(4)
+    assert (given_none.max_k, above.max_k, below.max_k) == (4, 4, 3)
+    assert below.target_k(100.0, 1.0) == 3 and given_none.target_k(100.0, 1.0) == 4
+    single = AdaptiveK(1, 1.0)
+    single.limit(1)  # one learner: K stays 1
+    assert single.max_k == 1 and single.target_k(100.0, 1.0) == 1
+    equal = AdaptiveK(3, 1.0)
+    equal.limit(3)  # K_0 = P is allowed
+    assert equal.max_k == 3
+    with pytest.raises(ValueError, match=r"AdaptiveK k0=3 exceeds the number of learners P=2"):
+        AdaptiveK(3, 1.0).limit(2)
+    with pytest.raises(ValueError, match=r"^the number of learners P must be an integer >= 1, got 0$"):
+        AdaptiveK(1, 1.0).limit(0)
+
+
+def test_target_k_without_a_cap_is_k0_times_the_square_root_of_the_loss_ratio():
+    schedule = AdaptiveK(2, 1.0)  # no max_k, no limit: nothing caps K
+    assert schedule.max_k is None
+    assert schedule.target_k(9.0, 1.0) == 6 and schedule.target_k(100.0, 1.0) == 20

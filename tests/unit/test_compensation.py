@@ -91,3 +91,11 @@ def test_simulated_run_with_compensation_converges_on_digits(spec):
     assert max(strategy.stats["staleness_histogram"]) > 1  # stale gradients were down-weighted
     losses = [row["train/loss"] for row in logger.rows]
     assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:10])
+
+
+def test_the_compensations_repr_names_its_mode_and_settings():
+    inverse = StalenessCompensation("inverse")
+    norm = StalenessCompensation("norm", c=0.5, eta_max=0.25)
+    assert repr(inverse) == "StalenessCompensation(mode='inverse')"
+    assert repr(norm) == "StalenessCompensation(mode='norm', c=0.5, eta_max=0.25)"
+    assert repr(eval(repr(norm))) == repr(norm)  # noqa: S307 (it reads back as the same object)

@@ -359,3 +359,21 @@ def test_a_k_batch_async_update_completed_by_a_death_refreshes_nobody():
     r.on_push(1, 0)
     completed = r.remove_learner(2)
     assert completed.update is not None and completed.refresh == () and completed.version == 1
+
+
+def test_check_variant_name_returns_a_known_name_and_lists_the_six_for_another():
+    from lightning_stale.method.variants import check_variant_name
+
+    assert [check_variant_name(name) for name in VARIANT_NAMES] == list(VARIANT_NAMES)
+    with pytest.raises(ValueError, match=r"unknown variant 'fast'; choose one of sync, "):
+        check_variant_name("fast")
+
+
+@pytest.mark.parametrize("name,k,equivalent", [
+    ("sync", None, None), ("async", None, None),
+    ("k_sync", 4, "Fully sync"), ("k_sync", 1, None), ("k_sync", 2, None),
+    ("k_batch_sync", 4, None), ("k_batch_sync", 1, None),
+    ("k_async", 4, "Fully sync"), ("k_async", 1, "Async"), ("k_async", 2, None),
+    ("k_batch_async", 1, "Async"), ("k_batch_async", 4, None), ("k_batch_async", 2, None)])
+def test_a_k_variant_at_an_edge_of_k_is_the_papers_sync_or_async(name, k, equivalent):
+    assert Variant.create(name, 4, k).equivalent() == equivalent

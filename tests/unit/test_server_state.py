@@ -219,3 +219,61 @@ def test_vectors_are_written_into_a_given_place_that_fits_and_made_anew_otherwis
     state = vectors.state_vector()
     into = torch.empty(vectors.state_numel)
     assert vectors.state_vector(out=into).data_ptr() == into.data_ptr() and torch.equal(into, state)
+
+
+def test_own_copies_a_borrowed_push_out_of_its_slot():
+    slot = torch.arange(8, dtype=torch.float32)  # a shared-memory slot the push still views
+    borrowed = Contribution(slot[:5], buffers=slot[5:7], present=torch.tensor([True, False]))
+    mask = borrowed.present
+    borrowed.own()
+    slot.fill_(-1.0)  # the slot is reused for the next push
+    mask.fill_(True)
+    assert borrowed.gradient.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert borrowed.buffers.tolist() == [5.0, 6.0] and borrowed.present.tolist() == [True, False]
+    bare = Contribution(slot[:2].clone())
+    bare.own()
+    assert bare.buffers is None and bare.present is None
+
+
+def test_the_largest_push_holds_gradients_buffers_and_one_presence_flag_per_parameter():
+    module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))  # 4 parameter tensors, 5 buffer values
+    vectors = ModelVectors.of(module)
+    assert (vectors.numel, vectors.buffer_numel) == (12, 5)
+    assert vectors.max_push_numel() == 12 + 5 + 4
+
+
+class Holed(nn.Module):
+    """Parameters of 3, 0 and 2 values, then a buffer of 2: an empty tensor between two."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(3))
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.b = nn.Parameter(torch.zeros(2))
+        self.register_buffer("running", torch.zeros(2))
+
+
+@pytest.mark.parametrize("cuts", [[3], [3, 3], [5], [3, 5], [0, 3, 5, 5, 7]])
+def test_load_parts_loads_chunks_cut_at_tensor_boundaries(cuts):
+    module = Holed()
+    vectors = ModelVectors.of(module)
+    state = torch.arange(1.0, 8.0)
+    bounds = [0, *cuts, 7]
+    vectors.load_parts([state[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
+    assert module.a.tolist() == [1.0, 2.0, 3.0] and module.b.tolist() == [4.0, 5.0]
+    assert module.running.tolist() == [6.0, 7.0] and module.empty.numel() == 0
+    assert torch.equal(vectors.state_vector(), state)
+
+
+def test_load_parts_refuses_chunks_of_another_size_or_cut_inside_a_tensor():
+    module = Holed()
+    vectors = ModelVectors.of(module)
+    state = torch.arange(1.0, 8.0)
+    with pytest.raises(ValueError, match=r"^chunks of 6 values, the module has 7$"):
+        vectors.load_parts([state[:3], state[3:6]])
+    with pytest.raises(ValueError, match=r"^chunks of 8 values, the module has 7$"):
+        vectors.load_parts([state, state[:1]])
+    for cut in (1, 2, 4, 6):
+        with pytest.raises(ValueError, match=r"^a tensor straddles two chunks$"):
+            vectors.load_parts([state[:cut], state[cut:]])
+    assert module.a.tolist() == [0.0, 0.0, 0.0]  # nothing loaded from a refused split
