@@ -60,6 +60,9 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.engine.core.xǁServerCoreǁpushes_fit_in_epoch__mutmut_7":
         "`per_epoch > 1`: with one push per epoch every push ends its epoch, so `done` is 0 and "
         "the answer False either way",
+    "lightning_stale.method.adaptive.xǁAdaptiveKǁobserve__mutmut_17":
+        "`assert initial_loss is not None or current_loss is not None`: both hold there (the "
+        "initial loss is frozen just above, the running mean holds the loss appended above)",
 }
 
 
@@ -110,15 +113,14 @@ def commit() -> str | None:
     return done.stdout.strip() or None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report-only", action="store_true", help="write the result from ./mutants/ without running")
-    parser.add_argument("--scope", nargs="+", default=SCOPE,
-                        help="mutmut name patterns of the mutants run, or 'all' (default: %(default)s)")
-    args = parser.parse_args()
-    scope = [] if args.scope == ["all"] else args.scope
-    if not args.report_only:
-        mutmut("run", "--max-children", "1", *scope, check=False)  # (its exit status says nothing about survivors)
+def in_scope(name: str, scope: list[str]) -> bool:
+    import fnmatch
+
+    return not scope or any(fnmatch.fnmatch(name, pattern) for pattern in scope)
+
+
+def scope_figures(scope: list[str]) -> dict:
+    """The counts, equivalent and surviving mutants of ``scope`` from ./mutants/."""
     statuses = verdicts(scope)
     counts: dict[str, int] = {}
     for status in statuses.values():
@@ -133,37 +135,102 @@ def main() -> None:
                                "reason": EQUIVALENT[name]})
         else:
             survivors.append({"file": file, "line": line, "mutant": name, "status": status, "change": change})
-    total = len(statuses) - counts.get("not checked", 0)  # (a run cut short leaves some unchecked)
+    return {"scope": ", ".join(scope) or "all", "patterns": scope, "counts": counts,
+            "equivalent": equivalent, "surviving": survivors}
+
+
+def summed(parts: list[dict]) -> dict:
+    """Figures over the scopes run (each mutant belongs to one scope: they are kept disjoint)."""
+    counts: dict[str, int] = {}
+    for part in parts:
+        for status, n in part["counts"].items():
+            counts[status] = counts.get(status, 0) + n
+    equivalent = [e for part in parts for e in part["equivalent"]]
+    survivors = [s for part in parts for s in part["surviving"]]
+    total = sum(counts.values()) - counts.get("not checked", 0)  # (a run cut short leaves some unchecked)
     detected = counts.get("killed", 0) + counts.get("timeout", 0)
     non_equivalent = total - len(equivalent)
+    return {
+        "mutants": total,
+        "killed": counts.get("killed", 0),
+        "survived": len(survivors),
+        "timeout": counts.get("timeout", 0),
+        "not_checked": counts.get("not checked", 0),
+        "by_status": counts,
+        "equivalent": equivalent,
+        "surviving": survivors,
+        "killed_fraction_of_non_equivalent": detected / non_equivalent if non_equivalent else None,
+    }
+
+
+def scope_row(part: dict) -> dict:
+    """One line of the table of scopes: the part's own figures, its commit and date."""
+    figures = summed([part])
+    return {"scope": part["scope"], "patterns": part["patterns"], "commit": part["commit"],
+            "date": part["date"], "counts": part["counts"],
+            "equivalent": part["equivalent"], "surviving": part["surviving"],
+            **{k: figures[k] for k in ("mutants", "killed", "timeout", "survived", "not_checked",
+                                       "killed_fraction_of_non_equivalent")},
+            "equivalent_count": len(part["equivalent"])}
+
+
+def earlier_scopes() -> list[dict]:
+    """The scopes of the results file as it is: its ``scopes``, or (a file written before scopes
+    were kept apart) the whole file as one scope."""
+    if not OUT.is_file():
+        return []
+    doc = json.loads(OUT.read_text())
+    figures = doc["figures"]
+    if "scopes" in figures:
+        return figures["scopes"]
+    patterns = doc["scope"] if isinstance(doc["scope"], list) else []
+    return [{"scope": ", ".join(patterns) or "all", "patterns": patterns, "commit": doc.get("commit"),
+             "date": doc.get("date"), "counts": figures["by_status"], "equivalent": figures["equivalent"],
+             "surviving": figures["surviving"]}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report-only", action="store_true", help="write the result from ./mutants/ without running")
+    parser.add_argument("--scope", nargs="+", default=SCOPE,
+                        help="mutmut name patterns of the mutants run, or 'all' (default: %(default)s)")
+    args = parser.parse_args()
+    scope = [] if args.scope == ["all"] else args.scope
+    if not args.report_only:
+        mutmut("run", "--max-children", "1", *scope, check=False)  # (its exit status says nothing about survivors)
+    part = {**scope_figures(scope), "commit": commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    # The file keeps every scope run: this run replaces the scopes whose mutants it covers
+    # (a scope of patterns all within this one's), the others stay as they were.
+    kept = [old for old in earlier_scopes()
+            if old["scope"] != part["scope"] and not (scope == [] or all(
+                any(p.startswith(q.rstrip("*")) for q in scope) for p in old["patterns"] or ["*"]))]
+    overlap = [old["scope"] for old in kept
+               if any(in_scope(m["mutant"], scope) for m in old["equivalent"] + old["surviving"])]
+    if overlap:
+        raise SystemExit(f"scope {part['scope']!r} overlaps the kept scope(s) {overlap}: run disjoint scopes")
+    parts = kept + [part]
     result = {
         "benchmark": "mutation",
         "command": COMMAND,
-        "commit": commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": part["commit"],
+        "date": part["date"],
         "kind": "cpu",
         "cores": os.cpu_count(),
         "versions": versions(),
-        "scope": scope or "all",
-        "figures": {
-            "mutants": total,
-            "killed": counts.get("killed", 0),
-            "survived": len(survivors),
-            "timeout": counts.get("timeout", 0),
-            "not_checked": counts.get("not checked", 0),
-            "by_status": counts,
-            "equivalent": equivalent,
-            "surviving": survivors,
-            "killed_fraction_of_non_equivalent": detected / non_equivalent if non_equivalent else None,
-        },
+        "scope": [p for old in parts for p in old["patterns"]] or "all",
+        "figures": {**summed(parts), "scopes": [scope_row(old) for old in parts]},
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
+    for row in result["figures"]["scopes"]:
+        print(f"{row['scope']}: {row['mutants']} mutants, {row['killed']} killed, {row['timeout']} timeouts, "
+              f"{row['equivalent_count']} equivalent, {row['survived']} not killed, {row['not_checked']} not checked")
     figures = result["figures"]
-    print(f"{total} mutants: {figures['killed']} killed, {figures['timeout']} timeouts, "
-          f"{len(equivalent)} equivalent, {len(survivors)} not killed; "
+    print(f"all scopes: {figures['mutants']} mutants: {figures['killed']} killed, {figures['timeout']} timeouts, "
+          f"{len(figures['equivalent'])} equivalent, {figures['survived']} not killed; "
           f"killed {figures['killed_fraction_of_non_equivalent']:.1%} of the non-equivalent -> {OUT}")
-    for s in survivors:
+    for s in figures["surviving"]:
         print(f"  {s['status']}: {s['file']}:{s['line']} {s['mutant']}: {s['change']}")
 
 

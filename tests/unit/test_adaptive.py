@@ -140,3 +140,21 @@ def test_target_k_without_a_cap_is_k0_times_the_square_root_of_the_loss_ratio():
     schedule = AdaptiveK(2, 1.0)  # no max_k, no limit: nothing caps K
     assert schedule.max_k is None
     assert schedule.target_k(9.0, 1.0) == 6 and schedule.target_k(100.0, 1.0) == 20
+
+
+def test_target_k_at_a_loss_of_zero_or_below_an_initial_loss_below_one():
+    schedule = AdaptiveK(2, 1.0)
+    assert schedule.target_k(1.0, 0.0) == 2  # no cap and F(w) = 0: K stays where it is
+    schedule.limit(4)
+    assert schedule.target_k(1.0, 0.0) == 4  # with P known: as far as K goes
+    assert schedule.target_k(0.25, 0.25) == 2  # the ratio, not the losses, sets K
+    assert schedule.target_k(0.09, 0.01) == 4 and schedule.target_k(-1.0, 0.5) == 1
+
+
+def test_observe_moves_to_the_boundary_after_the_interval_that_time_falls_in():
+    schedule = AdaptiveK(1, 2.0, window=1)  # T0 = 2 s; F(w_0) is the first loss
+    assert schedule.observe(0.5, 4.0) is None  # before the first boundary (2 s)
+    assert schedule.observe(5.0, 1.0) == 2  # two boundaries passed: the next is 6 s
+    assert schedule.observe(5.9, 0.25) is None  # still in the interval [4, 6)
+    assert schedule.observe(6.0, 0.25) == 4
+    assert schedule.history == [(0.0, 1), (5.0, 2), (6.0, 4)]
