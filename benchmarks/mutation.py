@@ -63,6 +63,9 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.method.adaptive.xǁAdaptiveKǁobserve__mutmut_17":
         "`assert initial_loss is not None or current_loss is not None`: both hold there (the "
         "initial loss is frozen just above, the running mean holds the loss appended above)",
+    "lightning_stale.method.adaptive.xǁAdaptiveKǁ_freeze_initial_loss__mutmut_4":
+        "`_first_losses = None` once frozen: it is read only while initial_loss is None, which it "
+        "is not again until reset() gives it a new list",
 }
 
 

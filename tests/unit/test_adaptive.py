@@ -158,3 +158,17 @@ def test_observe_moves_to_the_boundary_after_the_interval_that_time_falls_in():
     assert schedule.observe(5.9, 0.25) is None  # still in the interval [4, 6)
     assert schedule.observe(6.0, 0.25) == 4
     assert schedule.history == [(0.0, 1), (5.0, 2), (6.0, 4)]
+
+
+@pytest.mark.parametrize("bad", [0, True, 1.5, "2"])
+def test_adaptive_k_refuses_a_k0_that_is_not_an_integer_of_at_least_one(bad):
+    with pytest.raises(ValueError, match=rf"^AdaptiveK k0 must be an integer >= 1, got {bad!r}$"):
+        AdaptiveK(bad, 1.0)
+
+
+def test_the_running_mean_of_f_spans_ten_updates_by_default():
+    schedule = AdaptiveK(1, 100.0)
+    assert schedule.window == 10
+    for loss in range(1, 13):  # 1 .. 12: the last ten are 3 .. 12
+        schedule.observe(0.0, float(loss))
+    assert schedule.current_loss == pytest.approx(7.5) and schedule.initial_loss == pytest.approx(5.5)
