@@ -172,3 +172,18 @@ def test_the_running_mean_of_f_spans_ten_updates_by_default():
     for loss in range(1, 13):  # 1 .. 12: the last ten are 3 .. 12
         schedule.observe(0.0, float(loss))
     assert schedule.current_loss == pytest.approx(7.5) and schedule.initial_loss == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize("name,kwargs,message", [
+    ("max_k", dict(k0=1, max_k=0), "AdaptiveK max_k must be an integer >= 1, got 0"),
+    ("max_k", dict(k0=2, max_k=1), "AdaptiveK max_k=1 is below k0=2"),
+    ("window", dict(k0=1, window=0), "AdaptiveK window must be an integer >= 1, got 0")])
+def test_adaptive_k_refuses_a_max_k_or_window_out_of_range(name, kwargs, message):
+    with pytest.raises(ValueError, match=rf"^{message}$"):
+        AdaptiveK(interval_s=1.0, **kwargs)
+
+
+def test_max_k_may_equal_k0_and_k_never_falls_below_one():
+    pinned = AdaptiveK(1, 1.0, max_k=1)  # K fixed at 1: allowed
+    assert pinned.max_k == 1 and pinned.target_k(100.0, 1.0) == 1
+    assert AdaptiveK(1, 1.0).target_k(1.0, 4.0) == 1  # the loss grew: ceil(sqrt(1/4)) = 1

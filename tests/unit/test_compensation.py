@@ -99,3 +99,15 @@ def test_the_compensations_repr_names_its_mode_and_settings():
     assert repr(inverse) == "StalenessCompensation(mode='inverse')"
     assert repr(norm) == "StalenessCompensation(mode='norm', c=0.5, eta_max=0.25)"
     assert repr(eval(repr(norm))) == repr(norm)  # noqa: S307 (it reads back as the same object)
+
+
+@pytest.mark.parametrize("c,eta_max,eta", [(0.0, 0.1, 0.1), (1.0, 0.0, 0.1), (1.0, 0.1, 0.0), (-1.0, 0.1, 0.1)])
+def test_norm_adaptive_needs_every_constant_above_zero(c, eta_max, eta):
+    with pytest.raises(ValueError, match=rf"need c, eta_max and eta > 0, got c={c}, eta_max={eta_max}, eta={eta}"):
+        norm_adaptive(1.0, c=c, eta_max=eta_max, eta=eta)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_norm_adaptive_refuses_a_negative_or_nan_distance(bad):
+    with pytest.raises(ValueError, match=r"distance_sq must be a number >= 0"):
+        norm_adaptive(bad, c=1.0, eta_max=0.1, eta=0.1)
