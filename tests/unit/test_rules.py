@@ -377,3 +377,12 @@ def test_check_variant_name_returns_a_known_name_and_lists_the_six_for_another()
     ("k_batch_async", 1, "Async"), ("k_batch_async", 4, None), ("k_batch_async", 2, None)])
 def test_a_k_variant_at_an_edge_of_k_is_the_papers_sync_or_async(name, k, equivalent):
     assert Variant.create(name, 4, k).equivalent() == equivalent
+
+
+def test_the_virtual_cluster_starts_every_learner_at_time_zero():
+    from lightning_stale.delays import Constant
+
+    cluster = VirtualCluster(ServerRules(Variant.create("async", 2)), Constant(0.5), compute_time=0.25)
+    assert cluster.now == 0.0
+    first = cluster.next_finish()
+    assert (first.time, first.started) == (0.75, 0.0) and cluster.now == 0.75
