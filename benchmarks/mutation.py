@@ -66,6 +66,14 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.method.adaptive.xǁAdaptiveKǁ_freeze_initial_loss__mutmut_4":
         "`_first_losses = None` once frozen: it is read only while initial_loss is None, which it "
         "is not again until reset() gives it a new list",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_10":
+        "generations start at 1: a generation is only compared for equality with the learner's "
+        "current one, so an offset common to all changes nothing",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_12":
+        "the sequence numbers start at 1: they only break ties in the heap by their order",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_2":
+        "generations counted down: each start still makes a generation unlike every earlier one, "
+        "and only equality with the current one is checked",
 }
 
 
