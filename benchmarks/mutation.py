@@ -74,6 +74,8 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_2":
         "generations counted down: each start still makes a generation unlike every earlier one, "
         "and only equality with the current one is checked",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_3":
+        "generations counted in steps of 2: as _start__mutmut_2, every start still makes a new one",
 }
 
 
