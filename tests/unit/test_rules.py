@@ -386,3 +386,35 @@ def test_the_virtual_cluster_starts_every_learner_at_time_zero():
     assert cluster.now == 0.0
     first = cluster.next_finish()
     assert (first.time, first.started) == (0.75, 0.0) and cluster.now == 0.75
+
+
+class Scripted:
+    """Each learner's mini-batch times, in order (a delay model with no randomness)."""
+
+    def __init__(self, times):
+        self.times = {learner: list(values) for learner, values in times.items()}
+
+    def sample(self, learner):
+        return self.times[learner].pop(0)
+
+
+def test_the_virtual_cluster_breaks_ties_by_the_order_the_mini_batches_started():
+    # learner 1 finishes at 1 and restarts, learner 0 at 2: both next finish at 3, learner 1's
+    # mini-batch started first, so it finishes first (then learner 0's, started at 2)
+    cluster = VirtualCluster(ServerRules(Variant.create("async", 2)), Scripted({0: [2.0, 1.0, 9.0], 1: [1.0, 2.0, 9.0]}))
+    finishes = []
+    for _ in range(4):
+        finish = cluster.next_finish()
+        finishes.append((finish.time, finish.learner, finish.started))
+        cluster.apply(cluster.rules.on_push(finish.learner, finish.version))
+    assert finishes == [(1.0, 1, 0.0), (2.0, 0, 0.0), (3.0, 1, 1.0), (3.0, 0, 2.0)]
+
+
+def test_kind_of_and_create_refuse_what_is_not_a_variant_or_a_number_of_learners():
+    from lightning_stale.method.variants import kind_of
+
+    with pytest.raises(ValueError, match=r"unknown variant \['sync'\]; choose one of"):
+        kind_of(["sync"])
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"^the number of learners P must be a positive integer, got {bad!r}$"):
+            Variant.create("sync", bad)
