@@ -277,3 +277,18 @@ def test_load_parts_refuses_chunks_of_another_size_or_cut_inside_a_tensor():
         with pytest.raises(ValueError, match=r"^a tensor straddles two chunks$"):
             vectors.load_parts([state[:cut], state[cut:]])
     assert module.a.tolist() == [0.0, 0.0, 0.0]  # nothing loaded from a refused split
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_load_into_and_named_state_carry_buffers_only_where_the_state_keeps_them(keep):
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    source[1].running_mean.fill_(5.0)
+    state = ServerState(source, torch.optim.SGD(source.parameters(), lr=0.1), buffers=keep)
+    learner = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    state.load_into(learner)
+    assert torch.equal(learner[0].weight, source[0].weight) and torch.equal(learner[1].bias, source[1].bias)
+    assert learner[1].running_mean.tolist() == ([5.0, 5.0] if keep else [0.0, 0.0])  # else the learner's own
+    named = state.named_state(learner)
+    assert torch.equal(named["0.weight"], source[0].weight)
+    assert ("1.running_mean" in named) is keep and ("1.num_batches_tracked" in named) is keep
