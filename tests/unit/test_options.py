@@ -9,7 +9,7 @@ import torch
 
 import user_modules as um
 from engines import fit
-from lightning_stale import SimulatedStaleStrategy, StaleStrategy
+from lightning_stale import StaleStrategy
 from lightning_stale.analysis import advise_cli
 from lightning_stale.analysis.advise import advise
 from lightning_stale.delays import Constant, ShiftedExponential, TraceRecorder
