@@ -7,11 +7,14 @@ One command, from the checkout's root (mutmut and its settings: pyproject.toml's
     nice -n 10 python benchmarks/mutation.py
 
 It runs ``mutmut run --max-children 1`` (one worker: CPU is shared; mutmut keeps its work in
-./mutants/, so a second run only retests what changed) over the mutants of ``--scope`` (mutmut
+./mutants/: with ``all`` a second run checks only mutants without a verdict, while name
+patterns recheck every mutant they match) over the mutants of ``--scope`` (mutmut
 name patterns; default: rules.py and core.py, the decisions and the update, about 580 mutants,
 an hour of one busy core; ``--scope all`` takes every file of ``[tool.mutmut]``, about 2,050),
 then writes
-benchmarks/results/latest/mutation-cpu.json: every mutant's verdict counted, the surviving
+benchmarks/results/latest/mutation-cpu.json (one file for every scope run: a run replaces the
+scopes its own covers and keeps the others, and the figures at the top sum them; the scopes
+must not overlap): every mutant's verdict counted, the surviving
 mutants that are equivalent (no behaviour change observable through any API; listed below with
 the reason) and the fraction of the others that the tests kill (timeouts count as killed, as
 in mutmut's own score). ``--report-only`` rewrites the file from ./mutants/ without running.
