@@ -85,6 +85,11 @@ EQUIVALENT: dict[str, str] = {
        "the part of an empty tensor taken as an empty slice of the chunk or an empty tensor of "
        "another dtype: _load copies nothing from a part of 0 values"
        for n in (19, 22, 24)},
+    "lightning_stale.engine.state.xǁServerStateǁapply__mutmut_1":
+        "the default update_index: every caller (ServerCore, the shard owner) passes the update's",
+    "lightning_stale.engine.state.xǁServerStateǁapply__mutmut_13":
+        "one gradient (K = 1) averaged by the general path: the same values times 1.0, in a copy "
+        "where the fast path lets the parameters' grads view the push",
 }
 
 

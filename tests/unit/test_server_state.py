@@ -292,3 +292,12 @@ def test_load_into_and_named_state_carry_buffers_only_where_the_state_keeps_them
     named = state.named_state(learner)
     assert torch.equal(named["0.weight"], source[0].weight)
     assert ("1.running_mean" in named) is keep and ("1.num_batches_tracked" in named) is keep
+
+
+def test_a_snapshot_is_made_on_the_device_asked_for():
+    # (the meta device stands in for a GPU: a learner's snapshot is sent from where it is asked)
+    module, state = make(lr=0.1)
+    on_meta = state.snapshot(0, torch.device("meta"))
+    assert on_meta.device.type == "meta" and on_meta.numel() == state.vectors.state_numel
+    assert state.has_snapshot(0, torch.device("meta")) and not state.has_snapshot(0, torch.device("cpu"))
+    assert state.snapshot(0).device.type == "cpu"
