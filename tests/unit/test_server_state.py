@@ -301,3 +301,19 @@ def test_a_snapshot_is_made_on_the_device_asked_for():
     assert on_meta.device.type == "meta" and on_meta.numel() == state.vectors.state_numel
     assert state.has_snapshot(0, torch.device("meta")) and not state.has_snapshot(0, torch.device("cpu"))
     assert state.snapshot(0).device.type == "cpu"
+
+
+def test_the_clip_acts_on_the_servers_optimizer_before_its_step():
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    seen = []
+
+    def clip(optimizer):  # as the Trainer's gradient clipping: on the averaged gradient
+        seen.append(optimizer)
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 0.1)
+
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=1.0), clip=clip)
+    before = state.vectors.state_vector()
+    state.apply([Contribution(torch.full((state.vectors.numel,), 10.0))])
+    assert seen == [state.optimizer]
+    assert float((state.vectors.state_vector() - before).norm()) == pytest.approx(0.1, rel=1e-4)
