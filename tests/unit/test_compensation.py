@@ -94,7 +94,7 @@ def test_simulated_run_with_compensation_converges_on_digits(spec):
 
 
 def test_the_compensations_repr_names_its_mode_and_settings():
-    inverse = StalenessCompensation("inverse")
+    inverse = StalenessCompensation()  # the default rule: 1 / max(1, s)
     norm = StalenessCompensation("norm", c=0.5, eta_max=0.25)
     assert repr(inverse) == "StalenessCompensation(mode='inverse')"
     assert repr(norm) == "StalenessCompensation(mode='norm', c=0.5, eta_max=0.25)"
