@@ -317,3 +317,16 @@ def test_the_clip_acts_on_the_servers_optimizer_before_its_step():
     state.apply([Contribution(torch.full((state.vectors.numel,), 10.0))])
     assert seen == [state.optimizer]
     assert float((state.vectors.state_vector() - before).norm()) == pytest.approx(0.1, rel=1e-4)
+
+
+def test_pushed_buffers_average_and_integer_counters_take_the_largest():
+    module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    numel = state.vectors.numel
+    # buffers: running_mean (2), running_var (2), num_batches_tracked (1)
+    first = torch.tensor([1.0, 2.0, 1.0, 1.0, 3.0])
+    second = torch.tensor([3.0, 4.0, 3.0, 5.0, 6.0])
+    state.apply([Contribution(torch.zeros(numel), buffers=first), Contribution(torch.zeros(numel), buffers=second)])
+    named = state.named_state(module)
+    assert named["1.running_mean"].tolist() == [2.0, 3.0] and named["1.running_var"].tolist() == [2.0, 3.0]
+    assert named["1.num_batches_tracked"].item() == 6  # the learner that counted most, not a mean
