@@ -330,3 +330,17 @@ def test_pushed_buffers_average_and_integer_counters_take_the_largest():
     named = state.named_state(module)
     assert named["1.running_mean"].tolist() == [2.0, 3.0] and named["1.running_var"].tolist() == [2.0, 3.0]
     assert named["1.num_batches_tracked"].item() == 6  # the learner that counted most, not a mean
+
+
+def test_a_shards_state_holds_and_steps_only_its_own_tensors():
+    module, _ = make()  # parameters: weight 4x3, bias 4, weight 2x4, bias 2
+    learner_params = list(module.parameters())
+    before = [p.detach().clone() for p in learner_params]
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=0.5), tensors=[0, 2])
+    assert [p.shape for p in state.params] == [torch.Size([4, 3]), torch.Size([2, 4])]
+    assert all(p.requires_grad for p in state.params)
+    # its optimizer holds the shard's copies and nothing of the learner's
+    assert [id(p) for g in state.optimizer.param_groups for p in g["params"]] == [id(p) for p in state.params]
+    state.apply([Contribution(torch.ones(12 + 8))])
+    assert torch.equal(state.params[0], before[0] - 0.5) and torch.equal(state.params[1], before[2] - 0.5)
+    assert all(torch.equal(p, b) for p, b in zip(learner_params, before))  # the learner's own untouched
