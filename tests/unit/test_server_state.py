@@ -344,3 +344,31 @@ def test_a_shards_state_holds_and_steps_only_its_own_tensors():
     state.apply([Contribution(torch.ones(12 + 8))])
     assert torch.equal(state.params[0], before[0] - 0.5) and torch.equal(state.params[1], before[2] - 0.5)
     assert all(torch.equal(p, b) for p, b in zip(learner_params, before))  # the learner's own untouched
+
+
+def test_joined_gathers_parts_on_the_device_asked_for_into_out_where_it_fits():
+    from lightning_stale.engine.state import _joined
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")  # (meta stands in for a GPU)
+    host = [torch.ones(2), torch.ones(3)]
+    gathered = _joined(host, meta)  # parts on one other device: joined there, moved once
+    assert gathered.device == meta and gathered.numel() == 5
+    out = torch.empty(5, device="meta")
+    assert _joined(host, meta, out) is out
+    assert _joined([torch.ones(2), torch.ones(3, device="meta")], meta).device == meta  # mixed parts
+    with_room = torch.empty(5)
+    assert _joined(host, cpu, with_room) is with_room and with_room.tolist() == [1.0] * 5
+    for wrong in (torch.empty(4), torch.empty(5, device="meta")):  # the wrong size, or elsewhere
+        joined = _joined(host, cpu, wrong)
+        assert joined is not wrong and joined.device == cpu and joined.tolist() == [1.0] * 5
+    assert _joined(host, meta, torch.empty(4, device="meta")).shape == (5,)  # no room: a new vector
+
+
+def test_load_gradients_gives_dense_gradients_unless_asked_for_sparse_ones():
+    from lightning_stale.engine.state import load_gradients
+
+    params = [nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(3))]
+    load_gradients(params, torch.arange(7.0))
+    assert not params[0].grad.is_sparse and params[1].grad.tolist() == [4.0, 5.0, 6.0]
+    load_gradients(params, torch.arange(7.0), sparse=True)
+    assert params[0].grad.is_sparse
