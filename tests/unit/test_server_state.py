@@ -372,3 +372,15 @@ def test_load_gradients_gives_dense_gradients_unless_asked_for_sparse_ones():
     assert not params[0].grad.is_sparse and params[1].grad.tolist() == [4.0, 5.0, 6.0]
     load_gradients(params, torch.arange(7.0), sparse=True)
     assert params[0].grad.is_sparse
+
+
+def test_load_gradients_skips_absent_tensors_and_matches_each_parameters_device_and_dtype():
+    from lightning_stale.engine.state import load_gradients
+
+    params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=torch.float64)),
+              nn.Parameter(torch.ones(1, device="meta"))]  # (meta stands in for a GPU)
+    params[0].grad = torch.ones(2)
+    load_gradients(params, torch.arange(5.0), present=torch.tensor([False, True, True]))
+    assert params[0].grad is None  # absent from every push: the optimizer skips it
+    assert params[1].grad.dtype == torch.float64 and params[1].grad.tolist() == [2.0, 3.0]
+    assert params[2].grad.device.type == "meta"
