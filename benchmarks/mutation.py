@@ -90,6 +90,9 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.engine.state.xǁServerStateǁapply__mutmut_13":
         "one gradient (K = 1) averaged by the general path: the same values times 1.0, in a copy "
         "where the fast path lets the parameters' grads view the push",
+    "lightning_stale.engine.state.x__joined__mutmut_11":
+        "the two ways of joining swapped for parts on one device: both give the same vector and "
+        "use out alike; joining first only saves a copy per part from another device",
 }
 
 
