@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import results  # benchmarks/results.py: the machine and versions every results file names
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "latest" / "mutation-cpu.json"
 COMMAND = "nice -n 10 python benchmarks/mutation.py"
@@ -247,6 +249,8 @@ def main() -> None:
         "date": part["date"],
         "kind": "cpu",
         "cores": os.cpu_count(),
+        **results.versions(),  # (torch and Lightning, where the benchmark pages read them)
+        "machine": results.machine(),
         "versions": versions(),
         "scope": [p for old in parts for p in old["patterns"]] or "all",
         "figures": {**summed(parts), "scopes": [scope_row(old) for old in parts]},

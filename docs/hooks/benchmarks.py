@@ -114,7 +114,7 @@ def _cell(value: Any) -> str:
         return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
     if value is None:
         return ""
-    return str(value).replace("|", "\\|").replace("[", "\\[").replace("]", "\\]")  # (no links: code in cells)
+    return str(value).replace("|", "\\|").replace("[", "\\[").replace("]", "\\]").replace("*", "\\*")  # (code in cells)
 
 
 def columns_of(benchmark: str, rows: list[dict[str, Any]]) -> list[str]:
