@@ -7,11 +7,14 @@ One command, from the checkout's root (mutmut and its settings: pyproject.toml's
     nice -n 10 python benchmarks/mutation.py
 
 It runs ``mutmut run --max-children 1`` (one worker: CPU is shared; mutmut keeps its work in
-./mutants/, so a second run only retests what changed) over the mutants of ``--scope`` (mutmut
+./mutants/: with ``all`` a second run checks only mutants without a verdict, while name
+patterns recheck every mutant they match) over the mutants of ``--scope`` (mutmut
 name patterns; default: rules.py and core.py, the decisions and the update, about 580 mutants,
 an hour of one busy core; ``--scope all`` takes every file of ``[tool.mutmut]``, about 2,050),
 then writes
-benchmarks/results/latest/mutation-cpu.json: every mutant's verdict counted, the surviving
+benchmarks/results/latest/mutation-cpu.json (one file for every scope run: a run replaces the
+scopes its own covers and keeps the others, and the figures at the top sum them; the scopes
+must not overlap): every mutant's verdict counted, the surviving
 mutants that are equivalent (no behaviour change observable through any API; listed below with
 the reason) and the fraction of the others that the tests kill (timeouts count as killed, as
 in mutmut's own score). ``--report-only`` rewrites the file from ./mutants/ without running.
@@ -28,6 +31,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import results  # benchmarks/results.py: the machine and versions every results file names
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "latest" / "mutation-cpu.json"
@@ -60,6 +65,36 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.engine.core.xǁServerCoreǁpushes_fit_in_epoch__mutmut_7":
         "`per_epoch > 1`: with one push per epoch every push ends its epoch, so `done` is 0 and "
         "the answer False either way",
+    "lightning_stale.method.adaptive.xǁAdaptiveKǁobserve__mutmut_17":
+        "`assert initial_loss is not None or current_loss is not None`: both hold there (the "
+        "initial loss is frozen just above, the running mean holds the loss appended above)",
+    "lightning_stale.method.adaptive.xǁAdaptiveKǁ_freeze_initial_loss__mutmut_4":
+        "`_first_losses = None` once frozen: it is read only while initial_loss is None, which it "
+        "is not again until reset() gives it a new list",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_10":
+        "generations start at 1: a generation is only compared for equality with the learner's "
+        "current one, so an offset common to all changes nothing",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_12":
+        "the sequence numbers start at 1: they only break ties in the heap by their order",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_2":
+        "generations counted down: each start still makes a generation unlike every earlier one, "
+        "and only equality with the current one is checked",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_3":
+        "generations counted in steps of 2: as _start__mutmut_2, every start still makes a new one",
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_14":
+        "sequence numbers in steps of 2: their order, the only thing the heap reads, is the same",
+    **{f"lightning_stale.engine.state.xǁModelVectorsǁload_parts__mutmut_{n}":
+       "the part of an empty tensor taken as an empty slice of the chunk or an empty tensor of "
+       "another dtype: _load copies nothing from a part of 0 values"
+       for n in (19, 22, 24)},
+    "lightning_stale.engine.state.xǁServerStateǁapply__mutmut_1":
+        "the default update_index: every caller (ServerCore, the shard owner) passes the update's",
+    "lightning_stale.engine.state.xǁServerStateǁapply__mutmut_13":
+        "one gradient (K = 1) averaged by the general path: the same values times 1.0, in a copy "
+        "where the fast path lets the parameters' grads view the push",
+    "lightning_stale.engine.state.x__joined__mutmut_11":
+        "the two ways of joining swapped for parts on one device: both give the same vector and "
+        "use out alike; joining first only saves a copy per part from another device",
 }
 
 
@@ -110,15 +145,14 @@ def commit() -> str | None:
     return done.stdout.strip() or None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report-only", action="store_true", help="write the result from ./mutants/ without running")
-    parser.add_argument("--scope", nargs="+", default=SCOPE,
-                        help="mutmut name patterns of the mutants run, or 'all' (default: %(default)s)")
-    args = parser.parse_args()
-    scope = [] if args.scope == ["all"] else args.scope
-    if not args.report_only:
-        mutmut("run", "--max-children", "1", *scope, check=False)  # (its exit status says nothing about survivors)
+def in_scope(name: str, scope: list[str]) -> bool:
+    import fnmatch
+
+    return not scope or any(fnmatch.fnmatch(name, pattern) for pattern in scope)
+
+
+def scope_figures(scope: list[str]) -> dict:
+    """The counts, equivalent and surviving mutants of ``scope`` from ./mutants/."""
     statuses = verdicts(scope)
     counts: dict[str, int] = {}
     for status in statuses.values():
@@ -133,37 +167,104 @@ def main() -> None:
                                "reason": EQUIVALENT[name]})
         else:
             survivors.append({"file": file, "line": line, "mutant": name, "status": status, "change": change})
-    total = len(statuses) - counts.get("not checked", 0)  # (a run cut short leaves some unchecked)
+    return {"scope": ", ".join(scope) or "all", "patterns": scope, "counts": counts,
+            "equivalent": equivalent, "surviving": survivors}
+
+
+def summed(parts: list[dict]) -> dict:
+    """Figures over the scopes run (each mutant belongs to one scope: they are kept disjoint)."""
+    counts: dict[str, int] = {}
+    for part in parts:
+        for status, n in part["counts"].items():
+            counts[status] = counts.get(status, 0) + n
+    equivalent = [e for part in parts for e in part["equivalent"]]
+    survivors = [s for part in parts for s in part["surviving"]]
+    total = sum(counts.values()) - counts.get("not checked", 0)  # (a run cut short leaves some unchecked)
     detected = counts.get("killed", 0) + counts.get("timeout", 0)
     non_equivalent = total - len(equivalent)
+    return {
+        "mutants": total,
+        "killed": counts.get("killed", 0),
+        "survived": len(survivors),
+        "timeout": counts.get("timeout", 0),
+        "not_checked": counts.get("not checked", 0),
+        "by_status": counts,
+        "equivalent": equivalent,
+        "surviving": survivors,
+        "killed_fraction_of_non_equivalent": detected / non_equivalent if non_equivalent else None,
+    }
+
+
+def scope_row(part: dict) -> dict:
+    """One line of the table of scopes: the part's own figures, its commit and date."""
+    figures = summed([part])
+    return {"scope": part["scope"], "patterns": part["patterns"], "commit": part["commit"],
+            "date": part["date"], "counts": part["counts"],
+            "equivalent": part["equivalent"], "surviving": part["surviving"],
+            **{k: figures[k] for k in ("mutants", "killed", "timeout", "survived", "not_checked",
+                                       "killed_fraction_of_non_equivalent")},
+            "equivalent_count": len(part["equivalent"])}
+
+
+def earlier_scopes() -> list[dict]:
+    """The scopes of the results file as it is: its ``scopes``, or (a file written before scopes
+    were kept apart) the whole file as one scope."""
+    if not OUT.is_file():
+        return []
+    doc = json.loads(OUT.read_text())
+    figures = doc["figures"]
+    if "scopes" in figures:
+        return figures["scopes"]
+    patterns = doc["scope"] if isinstance(doc["scope"], list) else []
+    return [{"scope": ", ".join(patterns) or "all", "patterns": patterns, "commit": doc.get("commit"),
+             "date": doc.get("date"), "counts": figures["by_status"], "equivalent": figures["equivalent"],
+             "surviving": figures["surviving"]}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report-only", action="store_true", help="write the result from ./mutants/ without running")
+    parser.add_argument("--scope", nargs="+", default=SCOPE,
+                        help="mutmut name patterns of the mutants run, or 'all' (default: %(default)s)")
+    args = parser.parse_args()
+    scope = [] if args.scope == ["all"] else args.scope
+    if not args.report_only:
+        mutmut("run", "--max-children", "1", *scope, check=False)  # (its exit status says nothing about survivors)
+    part = {**scope_figures(scope), "commit": commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    # The file keeps every scope run: this run replaces the scopes whose mutants it covers
+    # (a scope of patterns all within this one's), the others stay as they were.
+    kept = [old for old in earlier_scopes()
+            if old["scope"] != part["scope"] and not (scope == [] or all(
+                any(p.startswith(q.rstrip("*")) for q in scope) for p in old["patterns"] or ["*"]))]
+    overlap = [old["scope"] for old in kept
+               if any(in_scope(m["mutant"], scope) for m in old["equivalent"] + old["surviving"])]
+    if overlap:
+        raise SystemExit(f"scope {part['scope']!r} overlaps the kept scope(s) {overlap}: run disjoint scopes")
+    parts = kept + [part]
     result = {
         "benchmark": "mutation",
         "command": COMMAND,
-        "commit": commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": part["commit"],
+        "date": part["date"],
         "kind": "cpu",
         "cores": os.cpu_count(),
+        **results.versions(),  # (torch and Lightning, where the benchmark pages read them)
+        "machine": results.machine(),
         "versions": versions(),
-        "scope": scope or "all",
-        "figures": {
-            "mutants": total,
-            "killed": counts.get("killed", 0),
-            "survived": len(survivors),
-            "timeout": counts.get("timeout", 0),
-            "not_checked": counts.get("not checked", 0),
-            "by_status": counts,
-            "equivalent": equivalent,
-            "surviving": survivors,
-            "killed_fraction_of_non_equivalent": detected / non_equivalent if non_equivalent else None,
-        },
+        "scope": [p for old in parts for p in old["patterns"]] or "all",
+        "figures": {**summed(parts), "scopes": [scope_row(old) for old in parts]},
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
+    for row in result["figures"]["scopes"]:
+        print(f"{row['scope']}: {row['mutants']} mutants, {row['killed']} killed, {row['timeout']} timeouts, "
+              f"{row['equivalent_count']} equivalent, {row['survived']} not killed, {row['not_checked']} not checked")
     figures = result["figures"]
-    print(f"{total} mutants: {figures['killed']} killed, {figures['timeout']} timeouts, "
-          f"{len(equivalent)} equivalent, {len(survivors)} not killed; "
+    print(f"all scopes: {figures['mutants']} mutants: {figures['killed']} killed, {figures['timeout']} timeouts, "
+          f"{len(figures['equivalent'])} equivalent, {figures['survived']} not killed; "
           f"killed {figures['killed_fraction_of_non_equivalent']:.1%} of the non-equivalent -> {OUT}")
-    for s in survivors:
+    for s in figures["surviving"]:
         print(f"  {s['status']}: {s['file']}:{s['line']} {s['mutant']}: {s['change']}")
 
 

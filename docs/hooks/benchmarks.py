@@ -74,7 +74,12 @@ SPECS: dict[str, dict[str, Any]] = {
                            ylabel="samples/s over recording off's"),
     "mutation": dict(columns=["mutants", "killed", "timeout", "survived", "equivalent",
                               "killed_fraction_of_non_equivalent"], plot=None,
-                     also=("mutation_equivalent", "The surviving mutants that are equivalent, and why")),
+                     also=[("mutation_scopes", "By scope (each run of `--scope`, kept side by side)"),
+                           ("mutation_equivalent", "The surviving mutants that are equivalent, and why")]),
+    "mutation_scopes": dict(list="scopes", columns=["scope", "mutants", "killed", "timeout", "survived",
+                                                    "equivalent_count", "not_checked",
+                                                    "killed_fraction_of_non_equivalent", "commit", "date"],
+                            plot=None),
     "mutation_equivalent": dict(list="equivalent", columns=["file", "line", "change", "reason"], plot=None),
     "gpu_check": dict(columns=["variant", "path", "updates", "default_backend", "server_backend",
                                "module_device", "counts_balance", "module_matches_server",
@@ -116,7 +121,7 @@ def _cell(value: Any) -> str:
         return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
     if value is None:
         return ""
-    return str(value).replace("|", "\\|")
+    return str(value).replace("|", "\\|").replace("[", "\\[").replace("]", "\\]").replace("*", "\\*")  # (code in cells)
 
 
 def columns_of(benchmark: str, rows: list[dict[str, Any]]) -> list[str]:
@@ -260,9 +265,8 @@ def section(benchmark: str, kind: str, command: str, has_figure: bool) -> str:
     rows = rows_of(benchmark, doc)
     parts = [title, "", provenance(doc), ""]
     parts += [markdown_table(benchmark, rows) if rows else "(the file holds no rows)", ""]
-    also = SPECS.get(benchmark, {}).get("also")
-    if also:  # a second table from the same file
-        extra, heading = also
+    also = SPECS.get(benchmark, {}).get("also") or []
+    for extra, heading in [also] if isinstance(also, tuple) else also:  # more tables from the same file
         extra_rows = rows_of(extra, doc)
         parts += [f"### {heading}", "", markdown_table(extra, extra_rows) if extra_rows else "None.", ""]
     if has_figure:

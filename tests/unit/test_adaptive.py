@@ -115,3 +115,75 @@ def test_simulated_strategy_logs_a_growing_k():
     assert schedule.history == [(0.0, 1)]  # the caller's object is left untouched
     with pytest.raises(ValueError, match="k=2 disagrees with adaptive_k's k0=1"):
         SimulatedStaleStrategy("k_async", k=2, adaptive_k=schedule)
+
+
+def test_limit_caps_k_at_p_learners_and_refuses_a_k0_above_p():
+    # the engine's P caps K: a max_k above P is lowered to P, one below P stays
+    given_none, above, below = AdaptiveK(2, 1.0), AdaptiveK(2, 1.0, max_k=6), AdaptiveK(2, 1.0, max_k=3)
+    for schedule in (given_none, above, below):
+        schedule.limit(4)
+    assert (given_none.max_k, above.max_k, below.max_k) == (4, 4, 3)
+    assert below.target_k(100.0, 1.0) == 3 and given_none.target_k(100.0, 1.0) == 4
+    single = AdaptiveK(1, 1.0)
+    single.limit(1)  # one learner: K stays 1
+    assert single.max_k == 1 and single.target_k(100.0, 1.0) == 1
+    equal = AdaptiveK(3, 1.0)
+    equal.limit(3)  # K_0 = P is allowed
+    assert equal.max_k == 3
+    with pytest.raises(ValueError, match=r"AdaptiveK k0=3 exceeds the number of learners P=2"):
+        AdaptiveK(3, 1.0).limit(2)
+    with pytest.raises(ValueError, match=r"^the number of learners P must be an integer >= 1, got 0$"):
+        AdaptiveK(1, 1.0).limit(0)
+
+
+def test_target_k_without_a_cap_is_k0_times_the_square_root_of_the_loss_ratio():
+    schedule = AdaptiveK(2, 1.0)  # no max_k, no limit: nothing caps K
+    assert schedule.max_k is None
+    assert schedule.target_k(9.0, 1.0) == 6 and schedule.target_k(100.0, 1.0) == 20
+
+
+def test_target_k_at_a_loss_of_zero_or_below_an_initial_loss_below_one():
+    schedule = AdaptiveK(2, 1.0)
+    assert schedule.target_k(1.0, 0.0) == 2  # no cap and F(w) = 0: K stays where it is
+    schedule.limit(4)
+    assert schedule.target_k(1.0, 0.0) == 4  # with P known: as far as K goes
+    assert schedule.target_k(0.25, 0.25) == 2  # the ratio, not the losses, sets K
+    assert schedule.target_k(0.09, 0.01) == 4 and schedule.target_k(-1.0, 0.5) == 1
+
+
+def test_observe_moves_to_the_boundary_after_the_interval_that_time_falls_in():
+    schedule = AdaptiveK(1, 2.0, window=1)  # T0 = 2 s; F(w_0) is the first loss
+    assert schedule.observe(0.5, 4.0) is None  # before the first boundary (2 s)
+    assert schedule.observe(5.0, 1.0) == 2  # two boundaries passed: the next is 6 s
+    assert schedule.observe(5.9, 0.25) is None  # still in the interval [4, 6)
+    assert schedule.observe(6.0, 0.25) == 4
+    assert schedule.history == [(0.0, 1), (5.0, 2), (6.0, 4)]
+
+
+@pytest.mark.parametrize("bad", [0, True, 1.5, "2"])
+def test_adaptive_k_refuses_a_k0_that_is_not_an_integer_of_at_least_one(bad):
+    with pytest.raises(ValueError, match=rf"^AdaptiveK k0 must be an integer >= 1, got {bad!r}$"):
+        AdaptiveK(bad, 1.0)
+
+
+def test_the_running_mean_of_f_spans_ten_updates_by_default():
+    schedule = AdaptiveK(1, 100.0)
+    assert schedule.window == 10
+    for loss in range(1, 13):  # 1 .. 12: the last ten are 3 .. 12
+        schedule.observe(0.0, float(loss))
+    assert schedule.current_loss == pytest.approx(7.5) and schedule.initial_loss == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize("name,kwargs,message", [
+    ("max_k", dict(k0=1, max_k=0), "AdaptiveK max_k must be an integer >= 1, got 0"),
+    ("max_k", dict(k0=2, max_k=1), "AdaptiveK max_k=1 is below k0=2"),
+    ("window", dict(k0=1, window=0), "AdaptiveK window must be an integer >= 1, got 0")])
+def test_adaptive_k_refuses_a_max_k_or_window_out_of_range(name, kwargs, message):
+    with pytest.raises(ValueError, match=rf"^{message}$"):
+        AdaptiveK(interval_s=1.0, **kwargs)
+
+
+def test_max_k_may_equal_k0_and_k_never_falls_below_one():
+    pinned = AdaptiveK(1, 1.0, max_k=1)  # K fixed at 1: allowed
+    assert pinned.max_k == 1 and pinned.target_k(100.0, 1.0) == 1
+    assert AdaptiveK(1, 1.0).target_k(1.0, 4.0) == 1  # the loss grew: ceil(sqrt(1/4)) = 1

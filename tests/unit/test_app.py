@@ -89,6 +89,16 @@ def test_fit_false_only_validates_the_initial_weights(tmp_path, isolated_ddp):
     assert summary["updates"] == 0 and 0.0 <= summary["val_acc"] <= 1.0
 
 
+def test_the_seed_draws_the_initial_weights(tmp_path, isolated_ddp):
+    def initial_val_loss(seed, folder):
+        return train(compose_config("train", [
+            "race=none", "engine=ddp", "delay=none", "trainer.devices=1", "trainer.num_sanity_val_steps=0",
+            "++trainer.limit_val_batches=1", "logger=none", "fit=false", f"seed={seed}", f"output_dir={tmp_path / folder}"]))["val_loss"]
+
+    first = initial_val_loss(0, "a")
+    assert initial_val_loss(0, "b") == first and initial_val_loss(1, "c") != first
+
+
 def test_ckpt_path_resumes_the_fit_where_the_checkpoint_left_it(tmp_path, isolated_ddp):
     def run(folder, epochs, *extra):
         return train(compose_config("train", [

@@ -91,3 +91,45 @@ def test_simulated_run_with_compensation_converges_on_digits(spec):
     assert max(strategy.stats["staleness_histogram"]) > 1  # stale gradients were down-weighted
     losses = [row["train/loss"] for row in logger.rows]
     assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:10])
+
+
+def test_the_compensations_repr_names_its_mode_and_settings():
+    inverse = StalenessCompensation()  # the default rule: 1 / max(1, s)
+    norm = StalenessCompensation("norm", c=0.5, eta_max=0.25)
+    assert repr(inverse) == "StalenessCompensation(mode='inverse')"
+    assert repr(norm) == "StalenessCompensation(mode='norm', c=0.5, eta_max=0.25)"
+    assert repr(eval(repr(norm))) == repr(norm)  # noqa: S307 (it reads back as the same object)
+
+
+@pytest.mark.parametrize("c,eta_max,eta", [(0.0, 0.1, 0.1), (1.0, 0.0, 0.1), (1.0, 0.1, 0.0), (-1.0, 0.1, 0.1)])
+def test_norm_adaptive_needs_every_constant_above_zero(c, eta_max, eta):
+    with pytest.raises(ValueError, match=rf"need c, eta_max and eta > 0, got c={c}, eta_max={eta_max}, eta={eta}"):
+        norm_adaptive(1.0, c=c, eta_max=eta_max, eta=eta)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_norm_adaptive_refuses_a_negative_or_nan_distance(bad):
+    with pytest.raises(ValueError, match=r"distance_sq must be a number >= 0"):
+        norm_adaptive(bad, c=1.0, eta_max=0.1, eta=0.1)
+
+
+def test_norm_weights_cap_fresh_gradients_at_the_eta_max_given():
+    params = {5: torch.tensor([1.0, 1.0]), 3: torch.tensor([1.0, 0.0]), 1: torch.tensor([-1.0, 1.0])}
+    compensation = StalenessCompensation("norm", c=0.05, eta_max=0.5)
+    assert compensation.eta_max == 0.5
+    # distances^2 0, 1, 4 -> steps min(0.05 / d^2, 0.5): the fresh one gets eta_max, not eta
+    weights = compensation.weights(hand_built_update(), params[5], params, lr=0.1)
+    assert weights == pytest.approx([5.0, 0.5, 0.125])
+    for missing in ("current_params", "params_at", "lr"):
+        given = dict(current_params=params[5], params_at=params, lr=0.1)
+        with pytest.raises(ValueError, match="needs the current parameters, the parameters at each"):
+            compensation.weights(hand_built_update(), **{**given, missing: None})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(c=None), "staleness compensation 'norm' needs c > 0, got c=None"),
+    (dict(c=0.0), "staleness compensation 'norm' needs c > 0, got c=0.0"),
+    (dict(c=1.0, eta_max=0.0), "eta_max must be > 0, got 0.0")])
+def test_norm_compensation_refuses_c_or_eta_max_at_or_below_zero(kwargs, message):
+    with pytest.raises(ValueError, match=rf"^{message}$"):
+        StalenessCompensation("norm", **kwargs)

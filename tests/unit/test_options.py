@@ -1,6 +1,7 @@
 """Documented options that had no test: each test fails if its option were ignored (the real
 engine as P = 1 in this process, the simulated engine, the advisor and its command)."""
 
+import math
 import types
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 import user_modules as um
 from engines import fit
-from lightning_stale import SimulatedStaleStrategy, StaleStrategy
+from lightning_stale import StaleStrategy
 from lightning_stale.analysis import advise_cli
 from lightning_stale.analysis.advise import advise
 from lightning_stale.delays import Constant, ShiftedExponential, TraceRecorder
@@ -180,3 +181,48 @@ def test_the_advisors_options_change_its_advice(tmp_path):
     replayed = advise(trace, replay="fitted", **quick)
     assert replayed.replay == "fitted" and replayed.replayed is replayed.fitted.model
     assert base.replayed is not base.fitted.model  # the recorded times, resampled
+
+
+def test_the_advisor_reads_the_column_and_keeps_each_learners_record_as_told(tmp_path):
+    trace = recorded_trace(tmp_path / "t.csv")
+    lines = trace.read_text().splitlines()
+    # the same records with a second column, twice as long: what MiniBatchTimer writes as compute_s
+    two = tmp_path / "two.csv"
+    two.write_text("\n".join([lines[0] + ",compute_s"] +
+                             [f"{line},{2 * float(line.split(',')[2])!r}" for line in lines[1:]]) + "\n")
+    quick = dict(sweep=False, adaptive=False, et_updates=300, progress=None)
+    mean = lambda a: sum(a.fitted.learner_means.values()) / 3  # noqa: E731
+    delay, compute = advise(two, **quick), advise(two, column="compute_s", **quick)
+    assert (delay.fitted.column, compute.fitted.column) == ("delay_s", "compute_s")
+    assert mean(compute) == pytest.approx(2 * mean(delay))
+    # the empirical law pools the learners' records when P differs from the learners recorded,
+    # keeps each one's own when told (or when P is theirs)
+    assert advise(trace, 2, **quick).replayed.per_learner is False
+    assert advise(trace, 2, per_learner=True, **quick).replayed.per_learner is True
+    assert advise(trace, **quick).replayed.per_learner is True
+    # more Monte Carlo updates: another estimate of the same E[T]
+    estimates = lambda a: [r["E[T] empirical"] for r in a.iteration_times if r["method empirical"] != "closed form"]  # noqa: E731
+    assert estimates(advise(trace, **{**quick, "et_updates": 900})) != estimates(advise(trace, **quick))
+
+
+def test_the_advisors_sweep_trains_the_config_it_is_given_to_the_target_it_is_given(tmp_path):
+    trace = recorded_trace(tmp_path / "t.csv")
+    quick = dict(ks=[1], variants=["async"], pushes=40, adaptive=False, et_updates=300, progress=None)
+    trained = advise(trace, 2, overrides=["model.lr=0.3"], **quick)
+    (run,) = trained.runs
+    assert trained.target == run.final_error  # by default the median final loss of the runs
+    assert trained.adaptive is None  # adaptive=False: no AdaSync run
+    # the overrides reach the model trained: with a step of 0 the loss stays where it starts
+    still = advise(trace, 2, overrides=["model.lr=0.0"], **quick).runs[0]
+    assert still.losses[0] == run.losses[0] and run.final_error < still.final_error - 0.5
+    # another config trains another model on other data (least squares: not digits' ln 10)
+    convex = advise(trace, 2, config_name="convex_variants", **quick).runs[0]
+    assert abs(convex.losses[0] - run.losses[0]) > 1.0
+    # a given target is the one the runs are timed to: a loss above every smoothed value is
+    # reached at the first update
+    given = advise(trace, 2, overrides=["model.lr=0.3"], target=5.0, **quick)
+    assert given.target == 5.0 and given.time_of(given.runs[0]) == given.runs[0].times[0]
+    assert math.isnan(trained.time_of(run))  # its own final loss, smoothed over 16 gradients: not reached
+    # with AdaSync on, the best configuration's family runs once more with an adaptive K
+    checked = advise(trace, 2, overrides=["model.lr=0.3"], target=5.0, **{**quick, "adaptive": True})
+    assert checked.adaptive is not None and checked.adaptive.adaptive and checked.adaptive.variant == "k_async"

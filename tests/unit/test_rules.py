@@ -359,3 +359,62 @@ def test_a_k_batch_async_update_completed_by_a_death_refreshes_nobody():
     r.on_push(1, 0)
     completed = r.remove_learner(2)
     assert completed.update is not None and completed.refresh == () and completed.version == 1
+
+
+def test_check_variant_name_returns_a_known_name_and_lists_the_six_for_another():
+    from lightning_stale.method.variants import check_variant_name
+
+    assert [check_variant_name(name) for name in VARIANT_NAMES] == list(VARIANT_NAMES)
+    with pytest.raises(ValueError, match=r"unknown variant 'fast'; choose one of sync, "):
+        check_variant_name("fast")
+
+
+@pytest.mark.parametrize("name,k,equivalent", [
+    ("sync", None, None), ("async", None, None),
+    ("k_sync", 4, "Fully sync"), ("k_sync", 1, None), ("k_sync", 2, None),
+    ("k_batch_sync", 4, None), ("k_batch_sync", 1, None),
+    ("k_async", 4, "Fully sync"), ("k_async", 1, "Async"), ("k_async", 2, None),
+    ("k_batch_async", 1, "Async"), ("k_batch_async", 4, None), ("k_batch_async", 2, None)])
+def test_a_k_variant_at_an_edge_of_k_is_the_papers_sync_or_async(name, k, equivalent):
+    assert Variant.create(name, 4, k).equivalent() == equivalent
+
+
+def test_the_virtual_cluster_starts_every_learner_at_time_zero():
+    from lightning_stale.delays import Constant
+
+    cluster = VirtualCluster(ServerRules(Variant.create("async", 2)), Constant(0.5), compute_time=0.25)
+    assert cluster.now == 0.0
+    first = cluster.next_finish()
+    assert (first.time, first.started) == (0.75, 0.0) and cluster.now == 0.75
+
+
+class Scripted:
+    """Each learner's mini-batch times, in order (a delay model with no randomness)."""
+
+    def __init__(self, times):
+        self.times = {learner: list(values) for learner, values in times.items()}
+
+    def sample(self, learner):
+        return self.times[learner].pop(0)
+
+
+def test_the_virtual_cluster_breaks_ties_by_the_order_the_mini_batches_started():
+    # learner 1 finishes at 1 and restarts, learner 0 at 2: both next finish at 3, learner 1's
+    # mini-batch started first, so it finishes first (then learner 0's, started at 2)
+    cluster = VirtualCluster(ServerRules(Variant.create("async", 2)), Scripted({0: [2.0, 1.0, 9.0], 1: [1.0, 2.0, 9.0]}))
+    finishes = []
+    for _ in range(4):
+        finish = cluster.next_finish()
+        finishes.append((finish.time, finish.learner, finish.started))
+        cluster.apply(cluster.rules.on_push(finish.learner, finish.version))
+    assert finishes == [(1.0, 1, 0.0), (2.0, 0, 0.0), (3.0, 1, 1.0), (3.0, 0, 2.0)]
+
+
+def test_kind_of_and_create_refuse_what_is_not_a_variant_or_a_number_of_learners():
+    from lightning_stale.method.variants import kind_of
+
+    with pytest.raises(ValueError, match=r"unknown variant \['sync'\]; choose one of"):
+        kind_of(["sync"])
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"^the number of learners P must be a positive integer, got {bad!r}$"):
+            Variant.create("sync", bad)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from fake_clock import FakeTime
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, INLINE, ON_CHANNEL, SEPARATE, Flag, Kind,
                                                          Message, TransportError, coalesce, payload_text,
@@ -20,6 +21,7 @@ from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, I
 from lightning_stale.engine.distributed.paths.central.sides import CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.frames import FRAME_BYTES, INLINE_PAYLOAD_BYTES, decode, encode
+from lightning_stale.engine.distributed import transport
 from lightning_stale.engine.distributed.transport import ServerEndpoint
 from lightning_stale.engine.state import ModelVectors, ServerState
 from lightning_stale.method.variants import Variant
@@ -336,9 +338,12 @@ def test_an_idle_server_sends_heartbeats():
     server, endpoint = make_server("async")
     server.heartbeat_s = 0.05
     run_loop(server)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60  # (a guard against a hang, not a bound on the heartbeat)
+    while endpoint.heartbeats < 3:  # with no message to send, the loop beats again and again
+        assert time.monotonic() < deadline, f"{endpoint.heartbeats} heartbeats"
+        time.sleep(0.01)
     server.events.put(Message(Kind.FAILED, learner=1, error="x"))
-    assert server.join(5.0) and endpoint.heartbeats >= 3
+    assert server.join(5.0)
 
 
 # ---------------------------------------------------------------- framing
@@ -397,17 +402,21 @@ def test_an_abort_or_interrupt_carries_its_reason_as_text(kind):
     assert decoded.kind == kind and payload_text(decoded.payload) == reason
 
 
-def test_the_server_endpoint_stamps_pushes_received_and_time_held():
+def test_the_server_endpoint_stamps_pushes_received_and_time_held(monkeypatch):
+    clock = FakeTime()  # the endpoint's clock: the times it stamps are exact
+    monkeypatch.setattr(transport, "time", clock)
     inbox, delivered = queue.Queue(), []
     endpoint = ServerEndpoint(None, 1, delivered.append, inbox, max_numel=2)  # P = 1: no threads, no gloo
     endpoint.send(0, Message(Kind.PARAMS, version=0))
-    assert inbox.get_nowait().pushes == 0
+    first = inbox.get_nowait()
+    assert (first.pushes, first.hold, first.age) == (0, 0.0, 0.0)  # nothing received, nothing caused it
     endpoint.receive_local(Message(Kind.PUSH, learner=0, version=0))
-    time.sleep(0.05)
-    endpoint.send(0, Message(Kind.PARAMS, version=1, caused_at=time.monotonic() - 0.02))
+    assert delivered[0].kind == Kind.PUSH and delivered[0].received_at == clock.now
+    clock.sleep(0.05)  # the server holds the push 0.05 s; the deciding push came 0.02 s ago
+    endpoint.send(0, Message(Kind.PARAMS, version=1, caused_at=clock.now - 0.02))
     answer = inbox.get_nowait()
-    assert delivered[0].kind == Kind.PUSH and answer.pushes == 1 and 0.05 <= answer.hold < 1.0
-    assert 0.02 <= answer.age < answer.hold  # the server's own time since the deciding push
+    assert answer.pushes == 1 and answer.hold == pytest.approx(0.05) and answer.age == pytest.approx(0.02)
+    assert answer.received_at == clock.now  # the learner's own copy: received as sent
 
 
 def test_coalesce_keeps_the_newest_parameters_and_every_epoch_end():

@@ -219,3 +219,168 @@ def test_vectors_are_written_into_a_given_place_that_fits_and_made_anew_otherwis
     state = vectors.state_vector()
     into = torch.empty(vectors.state_numel)
     assert vectors.state_vector(out=into).data_ptr() == into.data_ptr() and torch.equal(into, state)
+
+
+def test_own_copies_a_borrowed_push_out_of_its_slot():
+    slot = torch.arange(8, dtype=torch.float32)  # a shared-memory slot the push still views
+    borrowed = Contribution(slot[:5], buffers=slot[5:7], present=torch.tensor([True, False]))
+    mask = borrowed.present
+    borrowed.own()
+    slot.fill_(-1.0)  # the slot is reused for the next push
+    mask.fill_(True)
+    assert borrowed.gradient.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert borrowed.buffers.tolist() == [5.0, 6.0] and borrowed.present.tolist() == [True, False]
+    bare = Contribution(slot[:2].clone())
+    bare.own()
+    assert bare.buffers is None and bare.present is None
+
+
+def test_the_largest_push_holds_gradients_buffers_and_one_presence_flag_per_parameter():
+    module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))  # 4 parameter tensors, 5 buffer values
+    vectors = ModelVectors.of(module)
+    assert (vectors.numel, vectors.buffer_numel) == (12, 5)
+    assert vectors.max_push_numel() == 12 + 5 + 4
+
+
+class Holed(nn.Module):
+    """Parameters of 3, 0 and 2 values, then a buffer of 2: an empty tensor between two."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(3))
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.b = nn.Parameter(torch.zeros(2))
+        self.register_buffer("running", torch.zeros(2))
+
+
+@pytest.mark.parametrize("cuts", [[3], [3, 3], [5], [3, 5], [0, 3, 5, 5, 7]])
+def test_load_parts_loads_chunks_cut_at_tensor_boundaries(cuts):
+    module = Holed()
+    vectors = ModelVectors.of(module)
+    state = torch.arange(1.0, 8.0)
+    bounds = [0, *cuts, 7]
+    vectors.load_parts([state[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
+    assert module.a.tolist() == [1.0, 2.0, 3.0] and module.b.tolist() == [4.0, 5.0]
+    assert module.running.tolist() == [6.0, 7.0] and module.empty.numel() == 0
+    assert torch.equal(vectors.state_vector(), state)
+
+
+def test_load_parts_refuses_chunks_of_another_size_or_cut_inside_a_tensor():
+    module = Holed()
+    vectors = ModelVectors.of(module)
+    state = torch.arange(1.0, 8.0)
+    with pytest.raises(ValueError, match=r"^chunks of 6 values, the module has 7$"):
+        vectors.load_parts([state[:3], state[3:6]])
+    with pytest.raises(ValueError, match=r"^chunks of 8 values, the module has 7$"):
+        vectors.load_parts([state, state[:1]])
+    for cut in (1, 2, 4, 6):
+        with pytest.raises(ValueError, match=r"^a tensor straddles two chunks$"):
+            vectors.load_parts([state[:cut], state[cut:]])
+    assert module.a.tolist() == [0.0, 0.0, 0.0]  # nothing loaded from a refused split
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_load_into_and_named_state_carry_buffers_only_where_the_state_keeps_them(keep):
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    source[1].running_mean.fill_(5.0)
+    state = ServerState(source, torch.optim.SGD(source.parameters(), lr=0.1), buffers=keep)
+    learner = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    state.load_into(learner)
+    assert torch.equal(learner[0].weight, source[0].weight) and torch.equal(learner[1].bias, source[1].bias)
+    assert learner[1].running_mean.tolist() == ([5.0, 5.0] if keep else [0.0, 0.0])  # else the learner's own
+    named = state.named_state(learner)
+    assert torch.equal(named["0.weight"], source[0].weight)
+    assert ("1.running_mean" in named) is keep and ("1.num_batches_tracked" in named) is keep
+
+
+def test_a_snapshot_is_made_on_the_device_asked_for():
+    # (the meta device stands in for a GPU: a learner's snapshot is sent from where it is asked)
+    module, state = make(lr=0.1)
+    on_meta = state.snapshot(0, torch.device("meta"))
+    assert on_meta.device.type == "meta" and on_meta.numel() == state.vectors.state_numel
+    assert state.has_snapshot(0, torch.device("meta")) and not state.has_snapshot(0, torch.device("cpu"))
+    assert state.snapshot(0).device.type == "cpu"
+
+
+def test_the_clip_acts_on_the_servers_optimizer_before_its_step():
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    seen = []
+
+    def clip(optimizer):  # as the Trainer's gradient clipping: on the averaged gradient
+        seen.append(optimizer)
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 0.1)
+
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=1.0), clip=clip)
+    before = state.vectors.state_vector()
+    state.apply([Contribution(torch.full((state.vectors.numel,), 10.0))])
+    assert seen == [state.optimizer]
+    assert float((state.vectors.state_vector() - before).norm()) == pytest.approx(0.1, rel=1e-4)
+
+
+def test_pushed_buffers_average_and_integer_counters_take_the_largest():
+    module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    numel = state.vectors.numel
+    # buffers: running_mean (2), running_var (2), num_batches_tracked (1)
+    first = torch.tensor([1.0, 2.0, 1.0, 1.0, 3.0])
+    second = torch.tensor([3.0, 4.0, 3.0, 5.0, 6.0])
+    state.apply([Contribution(torch.zeros(numel), buffers=first), Contribution(torch.zeros(numel), buffers=second)])
+    named = state.named_state(module)
+    assert named["1.running_mean"].tolist() == [2.0, 3.0] and named["1.running_var"].tolist() == [2.0, 3.0]
+    assert named["1.num_batches_tracked"].item() == 6  # the learner that counted most, not a mean
+
+
+def test_a_shards_state_holds_and_steps_only_its_own_tensors():
+    module, _ = make()  # parameters: weight 4x3, bias 4, weight 2x4, bias 2
+    learner_params = list(module.parameters())
+    before = [p.detach().clone() for p in learner_params]
+    state = ServerState(module, torch.optim.SGD(module.parameters(), lr=0.5), tensors=[0, 2])
+    assert [p.shape for p in state.params] == [torch.Size([4, 3]), torch.Size([2, 4])]
+    assert all(p.requires_grad for p in state.params)
+    # its optimizer holds the shard's copies and nothing of the learner's
+    assert [id(p) for g in state.optimizer.param_groups for p in g["params"]] == [id(p) for p in state.params]
+    state.apply([Contribution(torch.ones(12 + 8))])
+    assert torch.equal(state.params[0], before[0] - 0.5) and torch.equal(state.params[1], before[2] - 0.5)
+    assert all(torch.equal(p, b) for p, b in zip(learner_params, before))  # the learner's own untouched
+
+
+def test_joined_gathers_parts_on_the_device_asked_for_into_out_where_it_fits():
+    from lightning_stale.engine.state import _joined
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")  # (meta stands in for a GPU)
+    host = [torch.ones(2), torch.ones(3)]
+    gathered = _joined(host, meta)  # parts on one other device: joined there, moved once
+    assert gathered.device == meta and gathered.numel() == 5
+    out = torch.empty(5, device="meta")
+    assert _joined(host, meta, out) is out
+    assert _joined([torch.ones(2), torch.ones(3, device="meta")], meta).device == meta  # mixed parts
+    with_room = torch.empty(5)
+    assert _joined(host, cpu, with_room) is with_room and with_room.tolist() == [1.0] * 5
+    for wrong in (torch.empty(4), torch.empty(5, device="meta")):  # the wrong size, or elsewhere
+        joined = _joined(host, cpu, wrong)
+        assert joined is not wrong and joined.device == cpu and joined.tolist() == [1.0] * 5
+    assert _joined(host, meta, torch.empty(4, device="meta")).shape == (5,)  # no room: a new vector
+
+
+def test_load_gradients_gives_dense_gradients_unless_asked_for_sparse_ones():
+    from lightning_stale.engine.state import load_gradients
+
+    params = [nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(3))]
+    load_gradients(params, torch.arange(7.0))
+    assert not params[0].grad.is_sparse and params[1].grad.tolist() == [4.0, 5.0, 6.0]
+    load_gradients(params, torch.arange(7.0), sparse=True)
+    assert params[0].grad.is_sparse
+
+
+def test_load_gradients_skips_absent_tensors_and_matches_each_parameters_device_and_dtype():
+    from lightning_stale.engine.state import load_gradients
+
+    params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=torch.float64)),
+              nn.Parameter(torch.ones(1, device="meta"))]  # (meta stands in for a GPU)
+    params[0].grad = torch.ones(2)
+    load_gradients(params, torch.arange(5.0), present=torch.tensor([False, True, True]))
+    assert params[0].grad is None  # absent from every push: the optimizer skips it
+    assert params[1].grad.dtype == torch.float64 and params[1].grad.tolist() == [2.0, 3.0]
+    assert params[2].grad.device.type == "meta"
