@@ -63,7 +63,7 @@ _LOCK = threading.Lock()
 
 def _wrapped():
     import lightning_stale.engine.distributed.learner as learner
-    import lightning_stale.engine.distributed.paths.central.sides as central
+    import lightning_stale.engine.distributed.paths.central.path as central
     import lightning_stale.engine.distributed.paths.collective.sides as collective
     import lightning_stale.engine.distributed.paths.sharded.owner as owner
     import lightning_stale.engine.distributed.paths.sharded.sides as sharded

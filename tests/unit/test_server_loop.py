@@ -17,7 +17,7 @@ from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, INLINE, ON_CHANNEL, SEPARATE, Flag, Kind,
                                                          Message, TransportError, coalesce, payload_text,
                                                          text_payload)
-from lightning_stale.engine.distributed.paths.central.sides import CentralPayloads
+from lightning_stale.engine.distributed.paths.central.path import CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.frames import FRAME_BYTES, INLINE_PAYLOAD_BYTES, decode, encode
 from lightning_stale.engine.distributed.transport import ServerEndpoint
