@@ -63,10 +63,10 @@ _LOCK = threading.Lock()
 
 def _wrapped():
     import lightning_stale.engine.distributed.learner as learner
-    import lightning_stale.engine.distributed.paths.central.sides as central
-    import lightning_stale.engine.distributed.paths.collective.sides as collective
+    import lightning_stale.engine.distributed.paths.central.path as central
+    import lightning_stale.engine.distributed.paths.collective.path as collective
     import lightning_stale.engine.distributed.paths.sharded.owner as owner
-    import lightning_stale.engine.distributed.paths.sharded.sides as sharded
+    import lightning_stale.engine.distributed.paths.sharded.path as sharded
     import lightning_stale.engine.distributed.server as server
     import lightning_stale.engine.distributed.transport as transport
     from lightning_stale.strategies.base import ServerStrategyMixin

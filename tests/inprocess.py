@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
-from lightning_stale.engine.distributed.paths.central.sides import CentralExchange, CentralPayloads
+from lightning_stale.engine.distributed.paths.central.path import CentralExchange, CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
 from lightning_stale.method.compensation import StalenessCompensation

@@ -51,11 +51,6 @@ class Schedules:
         for mine, theirs in zip(self.stepped.param_groups, self.learner_optimizer.param_groups):
             mine.update((k, v) for k, v in theirs.items() if k != "params")
 
-    @property
-    def monitor_per_update(self) -> bool:
-        """Whether a plateau scheduler is stepped per update (it needs the latest metrics)."""
-        return any(c.reduce_on_plateau and c.interval == "step" for c in self.configs)
-
     def after_update(self, update_index: int) -> None:
         """Update ``update_index`` (from 1) was applied: step what its steps make due."""
         h = self.steps_per_update

@@ -31,6 +31,7 @@ import atexit
 import importlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +61,9 @@ def run_bounded(target: Callable[..., Any], *args: Any, name: str, timeout: floa
     thread.join(timeout)
 
 
-_AT_EXIT = {"registered": False, "clean": True}
+_AT_EXIT = {"registered": False, "clean": True, "leave_early": False}
+# The threads that receive from peers in a gloo receive (transport, sharded.mesh)
+RECEIVING = re.compile(r"stale-(server|learner|mesh)-recv-\d+$")
 # Where Lightning keeps the exit hook that destroys the process groups (`destroy_groups_at_exit`)
 LIGHTNING_EXIT_HOOKS = ("lightning_fabric.utilities.distributed", "lightning.fabric.utilities.distributed")
 
@@ -85,6 +88,27 @@ def destroy_groups_at_exit(clean: bool) -> None:
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "_destroy_dist_connection"):
             atexit.unregister(module._destroy_dist_connection)
+
+
+def exit_before_finalization() -> None:
+    """After a failed run: at the interpreter's exit, end this process with status 1 before
+    Python finalizes if a thread of ours is still blocked in a gloo receive then (a peer slower
+    to leave than `LEAVE_TIMEOUT_S`, on a loaded machine). Past that point a thread coming back
+    from its receive (the peer exited, closing the connection) is ended by Python with a forced
+    unwind through torch's C++ frames, which aborts the process ("terminate called without an
+    active exception", SIGABRT). Exit hooks run while the interpreter is still whole, after the
+    failure's traceback has been printed."""
+    if not _AT_EXIT["leave_early"]:
+        _AT_EXIT["leave_early"] = True
+        atexit.register(_exit_if_still_receiving)
+
+
+def _exit_if_still_receiving() -> None:
+    if any(RECEIVING.match(t.name) and t.is_alive() for t in threading.enumerate()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _destroy_groups() -> None:
@@ -305,6 +329,7 @@ class FaultHandling:
             stuck += self._server.endpoint.join(left())
         if stuck:
             log.warning("StaleStrategy: threads still receiving from peers after the failure: %s", stuck)
+        exit_before_finalization()
 
     @staticmethod
     def _say_leaving(learner: Learner) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_stale.engine.distributed.paths.collective.sides import CollectiveExchange
+from lightning_stale.engine.distributed.paths.collective.path import CollectiveExchange
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors

@@ -164,3 +164,46 @@ def test_the_process_groups_are_destroyed_at_exit_only_if_no_teardown_failed(tmp
         stdout, stderr = ended[name]
         assert started[name].returncode == 0, (name, stderr)
         assert stdout.split() == (["destroyed"] if all(teardowns) else []), name
+
+
+LEAVING = """
+import os, sys, threading, time
+import torch, torch.distributed as dist
+from lightning_stale.strategies.faults import exit_before_finalization
+rank, hook = int(sys.argv[1]), sys.argv[2] == "1"
+dist.init_process_group("gloo", init_method="file://{store}", rank=rank, world_size=2)
+if rank == 0:  # a peer slower to leave: it exits once rank 1 finalizes
+    for _ in range(200):  # (with the hook, rank 1 ends before finalizing: no file)
+        if os.path.exists("{store}.finalizing"):
+            break
+        time.sleep(0.05)
+    os._exit(0)
+threading.Thread(target=dist.recv, args=(torch.empty(4), 0), daemon=True, name="stale-mesh-recv-0").start()
+if hook:
+    exit_before_finalization()
+
+class SlowToCollect:  # collected as rank 1 finalizes: it tells rank 0, and outlasts its exit
+    def __del__(self):
+        open("{store}.finalizing", "w").close()
+        time.sleep(2.0)
+
+sys.modules["slow_to_collect"] = SlowToCollect()
+raise RuntimeError("optimizer step failed")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook", [False, True], ids=["finalized", "exit-before-finalization"])
+def test_a_failed_process_with_a_thread_in_a_gloo_receive_exits_with_status_1(hook, tmp_path):
+    """A thread still blocked in a gloo receive when Python finalizes, whose peer then exits,
+    aborts the process (SIGABRT) unless `exit_before_finalization` ends it first: status 1,
+    the original error printed."""
+    code = LEAVING.format(store=tmp_path / "store")
+    peers = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(int(hook))], stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    stderr = [p.communicate(timeout=60)[1] for p in peers][1]
+    assert "RuntimeError: optimizer step failed" in stderr
+    if hook:
+        assert peers[1].returncode == 1 and "terminate called" not in stderr, stderr
+    else:  # what the hook prevents, shown to happen
+        assert peers[1].returncode == -signal.SIGABRT, stderr

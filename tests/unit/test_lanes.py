@@ -143,7 +143,7 @@ def test_a_payload_packed_in_the_next_slot_is_sent_from_there_and_work_thrown_aw
 
 
 def test_a_central_learner_packs_its_push_into_the_lane(tmp_path):
-    from lightning_stale.engine.distributed.paths.central.sides import CentralExchange
+    from lightning_stale.engine.distributed.paths.central.path import CentralExchange
     from lightning_stale.engine.state import ModelVectors
 
     learner, server = open_pair(tmp_path, 1000)
@@ -335,7 +335,7 @@ def test_a_learner_loads_the_servers_parameters_straight_from_its_slot(tmp_path,
     """`LearnerEndpoint` lends the parameters and the stop (an epoch's parameters, kept for
     validation, are copied out), and `CentralExchange.take` loads them from the slot."""
     from lightning_stale.engine.distributed import frames, transport
-    from lightning_stale.engine.distributed.paths.central.sides import CentralExchange
+    from lightning_stale.engine.distributed.paths.central.path import CentralExchange
     from lightning_stale.engine.distributed.transport import LearnerEndpoint
     from lightning_stale.engine.state import ModelVectors
 

@@ -15,8 +15,8 @@ from fake_clock import FakeTime
 from lightning_stale.engine.distributed import clocks as clocks_module
 from lightning_stale.engine.distributed import learner as learner_module
 from lightning_stale.engine.distributed.clocks import POLL_S
-from lightning_stale.engine.distributed.paths.central.sides import CentralExchange
-from lightning_stale.engine.distributed.paths.collective.sides import CollectiveExchange
+from lightning_stale.engine.distributed.paths.central.path import CentralExchange
+from lightning_stale.engine.distributed.paths.collective.path import CollectiveExchange
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.distributed.transport import LearnerEndpoint

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_stale.engine.distributed.paths.collective.sides import CollectiveExchange, update_payload
+from lightning_stale.engine.distributed.paths.collective.path import CollectiveExchange, update_payload
 from lightning_stale.engine.distributed.messages import Kind, Message
 from lightning_stale.engine.distributed.paths.collective.overlap import OverlappedAllReduce, bucket_ranges
 from lightning_stale.engine.schedules import Schedules

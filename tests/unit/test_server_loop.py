@@ -18,7 +18,7 @@ from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.messages import (HEADER, HEADER_BYTES, INLINE, ON_CHANNEL, SEPARATE, Flag, Kind,
                                                          Message, TransportError, coalesce, payload_text,
                                                          text_payload)
-from lightning_stale.engine.distributed.paths.central.sides import CentralPayloads
+from lightning_stale.engine.distributed.paths.central.path import CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.distributed.frames import FRAME_BYTES, INLINE_PAYLOAD_BYTES, decode, encode
 from lightning_stale.engine.distributed import transport
@@ -152,7 +152,7 @@ def test_the_update_that_ends_an_epoch_answers_with_the_new_count_and_the_epochs
 def test_on_the_collective_path_the_update_that_stops_training_goes_with_the_stop():
     # Learners hold the parameters there: a stop without the last update's payload would leave
     # every learner one update behind the books.
-    from lightning_stale.engine.distributed.paths.collective.sides import CollectivePayloads
+    from lightning_stale.engine.distributed.paths.collective.path import CollectivePayloads
 
     core = ServerCore(Variant.create("sync", 2), None, ServerLimits(max_updates=2, pushes_per_epoch=8))
     server = ParameterServer(core, CollectivePayloads(overlap=True), "stop")

@@ -15,9 +15,9 @@ from torch import nn
 from lightning_stale.engine import streams
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import learner as learner_module, server as server_module
-from lightning_stale.engine.distributed.paths.central import sides as central
+from lightning_stale.engine.distributed.paths.central import path as central
 from lightning_stale.engine.distributed.paths.sharded import owner as sharded
-from lightning_stale.engine.distributed.paths.central.sides import CentralExchange, CentralPayloads
+from lightning_stale.engine.distributed.paths.central.path import CentralExchange, CentralPayloads
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.messages import Kind, Message
 from lightning_stale.engine.distributed.server import ParameterServer

@@ -70,11 +70,9 @@ def path_problem(path: str, variant_name: str, on_learner_failure: str,
 
 
 def check_path(path: str, variant_name: str, on_learner_failure: str,
-               compensation: StalenessCompensation | None) -> None:
-    """Refuse a path that cannot run these options (called at the strategy's construction)."""
-    if path != "auto":
-        path_named(path)
-    problem = path_problem(path, variant_name, on_learner_failure, compensation)
+               compensation: StalenessCompensation | None, clips: bool = False) -> None:
+    """Refuse an unknown path, or one that cannot run these options (`path_problem`)."""
+    problem = path_problem(path, variant_name, on_learner_failure, compensation, clips)
     if problem:
         raise ValueError(problem)
 
@@ -102,9 +100,7 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
     ``cpu_cores``: the host's cores where the learners run on CPU, else None; ``memory_shared``:
     every remote learner shares memory with rank 0); a refusal names what to use instead."""
     if path != "auto":
-        problem = path_problem(path, variant.name, on_learner_failure, compensation, clips)
-        if problem:
-            raise ValueError(problem)
+        check_path(path, variant.name, on_learner_failure, compensation, clips)
         return path
     if variant.p == 1 or numel < SCALE_MIN_NUMEL:
         return CENTRAL.name

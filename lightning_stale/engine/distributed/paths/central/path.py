@@ -1,20 +1,91 @@
-"""The central path as a plug-in (`paths.base.ServerPath`): rank 0's server holds the model."""
+"""The central path as a plug-in (`paths.base.ServerPath`): rank 0's server holds the model.
+`CentralExchange` is a learner's side (a push carries the gradient, an answer the parameters),
+`CentralPayloads` what the server's messages carry."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from lightning_stale.engine import streams
+from lightning_stale.engine.core import ServerCore
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.distributed.paths.base import (
     CheckpointPart,
     CheckpointView,
+    LearnerSide,
     RankContext,
     RankParts,
     ServerPath,
+    ServerSide,
 )
-from lightning_stale.engine.distributed.paths.central.sides import CentralExchange, CentralPayloads
-from lightning_stale.engine.state import ServerState
+from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
 from lightning_stale.method.compensation import StalenessCompensation
+from lightning_stale.method.rules import Decision
+
+
+class CentralExchange(LearnerSide):
+    """How a learner meets a server that holds the parameters: a push carries the gradient (and the learner's
+    buffers), new parameters arrive as a vector."""
+
+    def __init__(self, vectors: ModelVectors,
+                 buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
+                 device: torch.device | None = None) -> None:
+        self.vectors, self.buffer, self.device = vectors, buffer, device
+
+    def fill_push(self, message: Message) -> None:
+        """The gradient, taken when the mini-batch's computation ends; packed straight into
+        shared memory where ``buffer`` (`LearnerEndpoint.push_buffer`) offers a place."""
+        buffer, dtype = self.buffer, self.vectors.dtype
+        place = None if buffer is None else (lambda numel: buffer(numel, dtype))
+        message.payload, masked = self.vectors.push_vector(device=self.device, out=place)
+        message.ready = streams.mark(message.payload)  # on a GPU: the server reads it on its stream
+        if masked:
+            message.flags |= Flag.MASKED
+
+    def take(self, message: Message) -> None:
+        """The parameters, from the message's payload or straight from its shared-memory slot."""
+        if message.lent is not None:  # still in its shared-memory slot: loaded from there
+            message.lent.use(self.vectors.load_state)
+        elif message.payload is not None:
+            self.vectors.load_state(message.payload)
+
+
+class CentralPayloads(ServerSide):
+    """What travels when the server holds the parameters: a push carries the gradient (split by ``vectors``), and
+    every message that refreshes, pauses or stops a learner carries the server's parameters and buffers."""
+
+    def __init__(self, vectors: ModelVectors,
+                 place_for: Callable[[int, int, torch.dtype], torch.Tensor | None] | None = None,
+                 on_device: frozenset[int] = frozenset({0})) -> None:
+        self.vectors, self.place_for, self.on_device = vectors, place_for, on_device
+
+    def attach(self, endpoint) -> None:
+        if endpoint.lane_learners:  # answers may go straight into a learner's next slot
+            self.place_for = endpoint.place_for
+
+    def contribution(self, message: Message) -> Contribution:
+        assert message.payload is not None, "a usable push carries its gradient"
+        streams.receive(message.payload, message.ready)  # rank 0's push, on a GPU
+        return self.vectors.split_push(message.payload, bool(message.flags & Flag.MASKED))
+
+    def fill(self, message: Message, core: ServerCore, decision: Decision | None) -> None:
+        if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
+            return
+        state, version = core.state, core.version
+        assert state is not None, "the central server holds the model"
+        if message.learner in self.on_device:  # never through the host
+            message.payload = state.snapshot(version, state.vectors.device)
+            message.ready = streams.mark(message.payload)  # made on the server's stream
+            return
+        place = None
+        alone = message.kind == Kind.PARAMS and decision is not None and len(decision.refresh) == 1
+        if alone and self.place_for is not None and not state.has_snapshot(version):
+            place = self.place_for(message.learner, state.vectors.state_numel, state.vectors.dtype)
+        message.payload = state.snapshot(version) if place is None else state.vectors.state_vector(out=place)
 
 
 class CentralPath(ServerPath):

@@ -1,30 +1,223 @@
 """The sharded path as a plug-in (`paths.base.ServerPath`): every rank owns a slice of the model
-(`sharded.owner`), joined by a mesh of data connections (`sharded.mesh`)."""
+(`sharded.owner`), joined by a mesh of data connections (`sharded.mesh`). Its two sides:
+`ShardedExchange`, a learner's (its push goes out in pieces to the owners, parameters come in
+slices from them), and `ShardedPayloads`, the server's (pushes are headers, updates are orders
+to the owners)."""
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from lightning_stale.engine.distributed.messages import Kind, Message, ShardData
+import torch
+from torch import Tensor
+
+from lightning_stale.engine import streams
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message, Order, ShardData, text_payload
 from lightning_stale.engine.distributed.paths.base import (
     CheckpointPart,
     CheckpointView,
+    LearnerSide,
     RankContext,
     RankParts,
     ServerPath,
+    ServerSide,
     spread_path_problem,
 )
 from lightning_stale.engine.distributed.paths.sharded.mesh import DataMesh
-from lightning_stale.engine.distributed.paths.sharded.owner import ShardLayout, ShardOwner
-from lightning_stale.engine.distributed.paths.sharded.sides import (
-    FINAL,
-    ShardedExchange,
-    ShardedPayloads,
-    assemble_optimizer_state,
-)
-from lightning_stale.engine.state import ServerState, named_state
+from lightning_stale.engine.distributed.paths.sharded.owner import WAIT_S, PieceRef, ShardLayout, ShardOwner
+from lightning_stale.engine.state import ModelVectors, ServerState, named_state
 from lightning_stale.method.compensation import StalenessCompensation
+
+_IN_SLICES = torch.zeros(0)  # the payload of a resolved message whose parameters wait in slices
+FINAL = 0  # the gather request of the stop; checkpoints during training ask with 1, 2, ...
+
+
+class ShardedExchange(LearnerSide):
+    """A learner's side of the sharded path: its push goes out in pieces, parameters come in
+    slices (see the module docstring)."""
+
+    def __init__(self, vectors: ModelVectors, layout: ShardLayout, rank: int, mesh: DataMesh,
+                 owner: ShardOwner) -> None:
+        self.vectors, self.layout, self.rank, self.mesh, self.owner = vectors, layout, rank, mesh, owner
+        self.seq = 0
+        self._slices: dict[int, dict[int, ShardData]] = {}  # delivery -> owner -> SLICE
+        self._resolved: tuple[int, list[Tensor]] = (0, [])  # the latest PARAMS/STOP's slices
+        self._arrived = threading.Condition()
+
+    @property
+    def payloads_on_channels(self) -> int:
+        return self.mesh.payloads_on_channels
+
+    def fill_push(self, message: Message) -> None:
+        """The gradient, on the device where the pieces go device to device."""
+        message.payload, masked = self.vectors.push_vector(device=self.mesh.payload_device(self.vectors.device))
+        if masked:
+            message.flags |= Flag.MASKED
+
+    def before_push(self, message: Message) -> None:
+        """The pieces go to the owners before the header goes to the server, so that an owner
+        rarely waits for them."""
+        self.seq += 1
+        message.seq = self.seq
+        vector, message.payload = message.payload, None
+        if vector is None:  # nothing to apply (an overflow): the header alone
+            return
+        masked = bool(message.flags & Flag.MASKED)
+        for owner in range(self.layout.p):
+            piece = self.layout.piece(vector, owner, masked)
+            self.mesh.send(owner, ShardData(Kind.PIECE, self.rank, message.version, seq=self.seq,
+                                          flags=message.flags & Flag.MASKED, payload=piece,
+                                          ready=streams.mark(piece)))
+
+    def put_slice(self, owner: int, message: ShardData) -> None:
+        if message.payload is None:  # an owner of no tensor sends nothing
+            message.payload = torch.zeros(0, dtype=self.vectors.dtype)
+        with self._arrived:
+            self._slices.setdefault(message.delivery, {})[owner] = message
+            self._arrived.notify_all()
+
+    def resolve(self, message: Message, check: Callable[[], None]) -> None:
+        """A sliced message gets its parameters: every owner's slice of its delivery."""
+        if not message.flags & Flag.SLICED:
+            return
+        with self._arrived:
+            while len(self._slices.get(message.delivery, ())) < self.layout.p:
+                self._arrived.wait(WAIT_S)
+                check()
+            arrived = self._slices.pop(message.delivery)
+            for delivery in [d for d in self._slices if d < message.delivery]:
+                del self._slices[delivery]  # skipped: a newer delivery superseded them
+        for m in arrived.values():
+            streams.receive(m.payload, m.ready)  # a slice on the device: from its channel or owner
+        slices = [_payload(arrived[o]) for o in range(self.layout.p)]
+        if message.kind == Kind.EPOCH:  # kept whole: validation loads it later
+            message.payload = self.layout.join(slices)
+        else:  # loaded straight from the slices by `take`
+            self._resolved, message.payload = (message.delivery, slices), _IN_SLICES
+
+    def take(self, message: Message) -> None:
+        """The parameters, joined from the owners' slices as they are loaded."""
+        if message.payload is _IN_SLICES:
+            delivery, slices = self._resolved
+            if delivery != message.delivery:
+                raise RuntimeError(f"parameters of delivery {message.delivery} taken, {delivery} resolved")
+            self.layout.load(self.vectors, slices)
+        elif message.payload is not None:
+            self.vectors.load_state(message.payload)
+
+    def close(self, timeout: float, failed: bool = False) -> list[str]:
+        """After the stop, or a failure: this rank's owner has retired; the mesh says goodbye to
+        every peer."""
+        deadline = time.monotonic() + timeout  # one bound for both
+        stuck = [] if self.owner.join(timeout) else [f"stale-shard-{self.rank}"]
+        self.mesh.close()
+        return stuck + self.mesh.join(max(0.0, deadline - time.monotonic()))
+
+
+class ShardedPayloads(ServerSide):
+    """The server's side of the sharded path: pushes are headers (`PieceRef`), updates are
+    orders to the owners, and a message that gives a learner parameters is sliced."""
+
+    def __init__(self, p: int, send: Callable[[int, Order], None] | None = None) -> None:
+        self.p, self.send = p, send
+        self._delivery = 0
+        self._gathered: dict[int, dict[tuple[int, bool], ShardData]] = {}
+        self._gathered_ready = threading.Condition()
+
+    def attach(self, endpoint) -> None:
+        self.send = endpoint.send  # orders go to the owners as messages to their ranks
+
+    def contribution(self, message: Message) -> PieceRef:
+        return PieceRef(message.learner, message.seq)
+
+    def fill(self, message: Message, core, decision) -> None:
+        """A message that gives a learner parameters: every owner sends it its slice."""
+        if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
+            return
+        self._delivery += 1
+        self._to_owners(Order(Kind.SEND, message.learner, delivery=self._delivery))
+        message.delivery, message.flags = self._delivery, message.flags | Flag.SLICED
+
+    def on_update(self, update, contributions: Sequence[PieceRef], weights) -> None:
+        """Every owner applies the update to its slice, from the pieces it names."""
+        weights = [1.0] * len(contributions) if weights is None else list(weights)
+        orders = torch.tensor([[c.learner, c.seq, w] for c, w in zip(contributions, weights)],
+                              dtype=torch.float64).reshape(-1)
+        self._to_owners(Order(Kind.APPLY, version=update.version, payload=orders))
+
+    def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
+        """Every owner steps its own schedulers."""
+        self._to_owners(Order(Kind.SCHEDULE, epoch=epoch, flags=Flag.PER_UPDATE if per_update else 0,
+                              payload=text_payload(json.dumps(metrics))))
+
+    def on_stop(self) -> None:
+        """The final state goes to rank 0 (request `FINAL`), then the owners retire."""
+        self.gather(FINAL)
+        self._to_owners(Order(Kind.RETIRE))
+
+    def gather(self, request: int) -> None:
+        """Ask every owner for its state (answered through `put_state`, to rank 0)."""
+        with self._gathered_ready:
+            self._gathered[request] = {}
+        self._to_owners(Order(Kind.GATHER, delivery=request))
+
+    def put_state(self, owner: int, message: ShardData) -> None:
+        with self._gathered_ready:
+            self._gathered.setdefault(message.delivery, {})[(owner, bool(message.flags & Flag.OPTIMIZER))] = message
+            self._gathered_ready.notify_all()
+
+    def gathered(self, request: int, check: Callable[[], None],
+                 keep: bool = False) -> tuple[list[Tensor], list[dict], int]:
+        """Every owner's state vector and saved optimizer and scheduler states for ``request``,
+        and the version they are of (``keep``: leave them for another reader)."""
+        with self._gathered_ready:
+            while len(self._gathered.get(request, ())) < 2 * self.p:
+                self._gathered_ready.wait(WAIT_S)
+                check()
+            parts = self._gathered[request] if keep else self._gathered.pop(request)
+        states = [_payload(parts[(o, False)]) for o in range(self.p)]
+        # On the host: an owner's optimizer state was saved from its own GPU, which rank 0 must
+        # not allocate on (nor may be able to see); loading it into an optimizer moves it to the
+        # parameters' device.
+        saved = [torch.load(io.BytesIO(_payload(parts[(o, True)]).numpy().tobytes()), map_location="cpu",
+                            weights_only=True) for o in range(self.p)]
+        return states, saved, parts[(0, False)].version
+
+    def _to_owners(self, command: Order) -> None:
+        assert self.send is not None, "the server's endpoint is attached before the server starts"
+        for owner in range(self.p):
+            self.send(owner, replace(command))  # one each: its receiver notes the arrival on it
+
+
+def _payload(message: ShardData) -> Tensor:
+    """A message's payload; none (an owner of no tensor) is an empty one."""
+    return message.payload if message.payload is not None else torch.zeros(0)
+
+
+def assemble_optimizer_state(optimizer, layout: ShardLayout, params: Sequence[Tensor],
+                             saved: Sequence[dict]) -> dict:
+    """The state dict of ``optimizer`` (rank 0's learner's, over the module's ``params``) as if it
+    had taken every update: each owner's per-parameter state, renumbered, and the current group
+    options (learning rates after the schedulers) from owner 0."""
+    full = optimizer.state_dict()
+    numbering = {id(p): i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"])}
+    state = {}
+    for owner, part in enumerate(saved):
+        owned = {id(params[i]) for i in layout.tensors[owner]}
+        mine = [numbering[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in owned]
+        for local, value in part["optimizer"]["state"].items():
+            state[mine[local]] = value
+    groups = [{**{k: v for k, v in shard_group.items() if k != "params"}, "params": group["params"]}
+              for shard_group, group in zip(saved[0]["optimizer"]["param_groups"], full["param_groups"])]
+    return {"state": state, "param_groups": groups}
+
 
 log = logging.getLogger(__name__)
 
