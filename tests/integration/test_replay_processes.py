@@ -38,8 +38,10 @@ _replay_module = _script_module("replay_module")
 LIMITS, QUIET, Blobs = _replay_module.LIMITS, _replay_module.QUIET, _replay_module.Blobs
 DropoutBatchNormAdamW, build_module = _replay_module.DropoutBatchNormAdamW, _replay_module.build_module
 
-RUNS = ["async-central", "k_batch_async-central", "sync-central", "k_sync-central", "sync-collective",
-        "k_sync-collective", "async-sharded", "k_batch_sync-sharded"]
+# every variant a path runs (the collective path serves the sync family only)
+RUNS = [f"{variant}-central" for variant in ("async", "k_batch_async", "sync", "k_sync", "k_batch_sync", "k_async")]
+RUNS += [f"{variant}-collective" for variant in ("sync", "k_sync", "k_batch_sync")]
+RUNS += [f"{variant}-sharded" for variant in ("async", "k_batch_sync", "sync", "k_sync", "k_async", "k_batch_async")]
 TOLERANCE = 1e-6
 
 
@@ -85,9 +87,10 @@ def test_a_real_run_replays_update_for_update(recorded, name, tmp_path):
 
 
 def test_a_run_that_lost_a_learner_replays_with_the_removal(recorded, tmp_path):
-    """Learner 1's process dies after three steps under on_learner_failure="continue": its
-    pushes so far are in the log (its side log was flushed line by line), the removal is one
-    line where the server heard of it, and the replay removes it there too."""
+    """Learner 1's process dies after three steps, inside the first epoch, under
+    on_learner_failure="continue": its pushes so far are in the log (its side log was flushed
+    line by line), the removal is one line where the server heard of it, and the replay removes
+    it there too."""
     run = recorded["k_async-central-killed"]
     assert run["stats"]["dead_learners"] == [1] and run["stats"]["updates"] == 8
     log = read_events(run["events_path"])
