@@ -172,9 +172,9 @@ import torch, torch.distributed as dist
 from lightning_stale.strategies.faults import exit_before_finalization
 rank, hook = int(sys.argv[1]), sys.argv[2] == "1"
 dist.init_process_group("gloo", init_method="file://{store}", rank=rank, world_size=2)
-if rank == 0:  # a peer slower to leave: it exits once rank 1 finalizes
-    for _ in range(200):  # (with the hook, rank 1 ends before finalizing: no file)
-        if os.path.exists("{store}.finalizing"):
+if rank == 0:  # a peer slower to leave: it exits once rank 1 finalizes, or has ended (the
+    for _ in range(1200):  # test says so: with the hook, rank 1 ends before finalizing)
+        if os.path.exists("{store}.finalizing") or os.path.exists("{store}.ended"):
             break
         time.sleep(0.05)
     os._exit(0)
@@ -201,7 +201,9 @@ def test_a_failed_process_with_a_thread_in_a_gloo_receive_exits_with_status_1(ho
     code = LEAVING.format(store=tmp_path / "store")
     peers = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(int(hook))], stderr=subprocess.PIPE,
                               text=True) for rank in (0, 1)]
-    stderr = [p.communicate(timeout=60)[1] for p in peers][1]
+    stderr = peers[1].communicate(timeout=60)[1]
+    (tmp_path / "store.ended").touch()
+    peers[0].communicate(timeout=60)
     assert "RuntimeError: optimizer step failed" in stderr
     if hook:
         assert peers[1].returncode == 1 and "terminate called" not in stderr, stderr
