@@ -39,6 +39,7 @@ from lightning_stale.delays import Exponential, ShiftedExponential
 from lightning_stale.method.theory import (
     METHODS,
     _as_variant,
+    _estimate,
     _update_times,
     closed_form_iteration_time,
 )
@@ -118,16 +119,5 @@ def expected_local_update_time(variant: str | Variant, p: int | None = None, k: 
     variant = _as_variant(variant, p, k)
     delay = Exponential(1.0) if delay is None else delay
     h = _check_local_steps(local_steps)
-    if method != "monte_carlo":
-        try:
-            return closed_form_local_update_time(variant, delay, h)
-        except ValueError:
-            if method == "closed_form":
-                raise
-    if warmup is None:
-        warmup = min(max(5 * variant.p, updates // 20), updates // 2)
-    if isinstance(warmup, bool) or int(warmup) != warmup or not 0 <= warmup < updates:
-        raise ValueError(f"warmup must be an integer with 0 <= warmup < updates={updates}, got {warmup!r}")
-    times = _update_times(variant, delay, updates, seed, h)
-    start = times[warmup - 1] if warmup > 0 else 0.0
-    return float((times[-1] - start) / (updates - warmup))
+    return _estimate(variant, delay, lambda: closed_form_local_update_time(variant, delay, h), method,
+                     updates, warmup, seed, h)

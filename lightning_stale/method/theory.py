@@ -156,9 +156,18 @@ def expected_iteration_time(variant: str | Variant, p: int | None = None, k: int
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     variant = _as_variant(variant, p, k)
     delay = Exponential(1.0) if delay is None else delay
+    return _estimate(variant, delay, lambda: closed_form_iteration_time(variant, delay), method,
+                     updates, warmup, seed)
+
+
+def _estimate(variant: Variant, delay, closed_form, method: str, updates: int, warmup: int | None,
+              seed: int | None, local_steps: int = 1) -> float:
+    """E[T] from ``closed_form()`` where ``method`` allows and one exists (a ValueError where none
+    does), else the virtual clock's steady-state mean time per update (pushes after
+    ``local_steps`` mini-batches): see `expected_iteration_time`."""
     if method != "monte_carlo":
         try:
-            return closed_form_iteration_time(variant, delay)
+            return closed_form()
         except ValueError:
             if method == "closed_form":
                 raise
@@ -167,7 +176,7 @@ def expected_iteration_time(variant: str | Variant, p: int | None = None, k: int
     if isinstance(warmup, bool) or int(warmup) != warmup or not 0 <= warmup < updates:
         raise ValueError(
             f"warmup must be an integer with 0 <= warmup < updates={updates}, got {warmup!r}")
-    times = _update_times(variant, delay, updates, seed)
+    times = _update_times(variant, delay, updates, seed, local_steps)
     start = times[warmup - 1] if warmup > 0 else 0.0
     return float((times[-1] - start) / (updates - warmup))
 
