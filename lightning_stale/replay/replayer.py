@@ -74,8 +74,12 @@ class ReplayComparison:
             self._push(event)
         elif kind == "update":
             self._update(event)
-        elif kind == "epoch_end" or (kind == "validation" and self.log.header["engine"] != "stale"):
-            self._other(event)  # (the real engine records no validation: its metrics are rank 0's)
+        elif kind == "epoch_end":
+            self._other(event)
+        elif kind == "validation" and self.log.header["engine"] != "stale":
+            self._other(event)
+        elif kind == "validation":  # a real run's metrics are rank 0's, not the replay's: the epoch only
+            self._other({"kind": kind, "epoch": event["epoch"]}, ("kind", "epoch"))
 
     path = None
 
@@ -137,15 +141,18 @@ class ReplayComparison:
                     self.differences[-1]["recorded_sum_norm"] = where[1]
                     self.differences[-1]["replayed_sum_norm"] = where[2]
 
-    def _other(self, mine: dict) -> None:
+    def _other(self, mine: dict, fields: tuple[str, ...] | None = None) -> None:
+        """Compare ``mine`` with the log's event of its kind and rank (on ``fields`` only, if given)."""
         kind = mine["kind"]
         recorded = [e for e in self.log.events if e["kind"] == kind]
         i = self._seen[kind]
         self._seen[kind] += 1
         if i >= len(recorded):
             self.differ(kind, None, mine)
-        elif {k: v for k, v in recorded[i].items()} != mine:
-            self.differ(kind, recorded[i], mine)
+            return
+        theirs = recorded[i] if fields is None else {k: recorded[i].get(k) for k in fields}
+        if theirs != mine:
+            self.differ(kind, theirs, mine)
 
     def finish(self, replayed_pushes: int, updates: int, final_digest: dict | None) -> None:
         """The replay ended after ``replayed_pushes`` pushes and ``updates`` updates."""

@@ -37,18 +37,31 @@ def single_process(monkeypatch):
         torch.distributed.destroy_process_group()
 
 
-def _fit(strategy, tmp_path):
+class EpochMetrics(pl.Callback):
+    """The logged values when each epoch after the first starts: what the epoch that ended
+    hands its schedulers (after its validation)."""
+
+    def __init__(self):
+        self.handed: dict[int, dict] = {}
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.current_epoch > 0 and trainer.current_epoch not in self.handed:
+            self.handed[trainer.current_epoch] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _fit(strategy, tmp_path, callbacks=()):
     pl.seed_everything(7, verbose=False)
     model = DropoutBatchNorm()
-    trainer = pl.Trainer(strategy=strategy, max_steps=12, max_epochs=3,
+    trainer = pl.Trainer(strategy=strategy, max_steps=12, max_epochs=3, callbacks=list(callbacks),
                          **{**QUIET, "default_root_dir": str(tmp_path)})
     trainer.fit(model, datamodule=BlobData(batch_size=16, n=80))
     return trainer
 
 
 def test_a_one_process_run_is_recorded_and_replays_bit_for_bit(single_process, tmp_path):
+    epochs = EpochMetrics()
     trainer = _fit(StaleStrategy("k_async", 1, record_events=True, digest_every=1, record_trace=False,
-                                 seed=3), tmp_path)
+                                 seed=3), tmp_path, [epochs])
     path = trainer.strategy.stats["events_path"]
     assert path == str(tmp_path / "events.jsonl")
     assert sorted(p.name for p in tmp_path.glob("events*")) == ["events.jsonl"]  # the parts merged
@@ -57,6 +70,18 @@ def test_a_one_process_run_is_recorded_and_replays_bit_for_bit(single_process, t
     assert [p["index"] for p in log.pushes] == list(range(len(log.pushes)))
     assert all(len(p["indices"]) == 1 and len(p["indices"][0]) == 16 for p in log.pushes)
     assert sum(e["kind"] == "epoch_end" for e in log.events) == 2  # 5 pushes an epoch
+    # Each epoch's end is followed by its validation point, before the next epoch's pushes,
+    # with the metrics handed to the epoch's schedulers (the fit stops inside the third epoch).
+    kinds = [e["kind"] for e in log.events]
+    ends = [i for i, kind in enumerate(kinds) if kind == "epoch_end"]
+    validations = [i for i, kind in enumerate(kinds) if kind == "validation"]
+    assert [log.events[i]["epoch"] for i in validations] == [1, 2] == sorted(epochs.handed)
+    for end, validation in zip(ends, validations):
+        assert end < validation and {"push", "update"}.isdisjoint(kinds[end:validation])
+        assert kinds[validation + 1] == "push"
+    for i in validations:
+        metrics = log.events[i]["metrics"]
+        assert "val/loss" in metrics and metrics == pytest.approx(epochs.handed[log.events[i]["epoch"]])
     replayed = _fit(SimulatedStaleStrategy(replay=path), tmp_path / "replay").strategy.replay_report
     assert replayed["checked_updates"] == 12 and replayed["identical"], replayed["differences"]
 
