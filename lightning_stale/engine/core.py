@@ -41,6 +41,10 @@ class CoreObserver(Protocol):
     def on_epoch_end(self, core: ServerCore) -> None:
         """An epoch ended."""
 
+    def on_validation(self, core: ServerCore, metrics: Mapping[str, float]) -> None:
+        """Training goes on after an epoch's end, whose validation logged ``metrics`` (what the
+        epoch-interval schedulers were just stepped with)."""
+
     def on_remove_learner(self, core: ServerCore, learner: int, clock: float) -> None:
         """A dead learner was removed."""
 
@@ -216,6 +220,8 @@ class ServerCore:
         self.resume(clock)
         if self.state is not None and self.epoch > 0:
             self.state.schedules.end_epoch(self.epoch - 1, metrics or {})
+        if self.observer is not None:
+            self.observer.on_validation(self, metrics or {})
 
     def report_metrics(self, metrics: Mapping[str, float]) -> None:
         """The latest logged values, for plateau schedulers stepped per update."""

@@ -131,6 +131,11 @@ def relative_difference(a: list[float], b: list[float], numel: int) -> float:
     return bound / scale if scale > 0 else math.inf
 
 
+def combined_digest(digests: list[str]) -> str:
+    """One digest of several micro-batches' digests, in order."""
+    return digests[0] if len(digests) == 1 else hashlib.sha256(":".join(digests).encode()).hexdigest()[:16]
+
+
 def seed_for(seed: int, learner: int, index: int) -> int:
     """The seed of push ``index`` of ``learner`` in a run seeded ``seed`` (63 bits of a sha256)."""
     digest = hashlib.sha256(f"{seed}:{learner}:{index}".encode()).digest()

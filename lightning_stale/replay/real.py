@@ -28,6 +28,7 @@ from lightning_stale.replay.events import (
     EventLogError,
     EventWriter,
     batch_digest,
+    combined_digest,
     module_layout,
     seed_for,
     seed_generators,
@@ -125,8 +126,6 @@ class LearnerLog:
             self._write(work, pushes)
 
     def _write(self, work: dict, pushes: int) -> None:
-        from lightning_stale.replay.setup import combined_digest
-
         self.logged = pushes
         line = {"learner": self.rank, "index": pushes - 1, "version": work["version"],
                 "rng": work["rng"], "batches": len(work["batch"]), "indices": work["indices"],
@@ -257,11 +256,8 @@ class EngineRecording:
         sharded one (each owner holds a slice)."""
         if self.recorder is None:
             return None
-        stop = getattr(self.recorder, "_stop_event", None)
-        if stop is not None and stop.get("digest") is None:
-            stop["digest"] = module_digest(module, optimizer)
-        self.recorder.finish(core)
-        if not self.recorder._stopped:
+        self.recorder.finish(core, module_digest(module, optimizer) if core.state is None else None)
+        if not self.recorder.stopped:
             return None
         return str(merge_parts(self.path, p))
 

@@ -3,7 +3,7 @@
 `EventRecorder` turns what the core tells it (docs/replay.md; `engine.core`, "Observer") into
 the lines of `lightning_stale.replay.events`. What only the engine knows about a push (the
 mini-batch it drew, the seed of its random state) is handed in before the push with
-`EventRecorder.next_push`; the validation metrics of an epoch with `EventRecorder.validation`.
+`EventRecorder.next_push`.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ class EventRecorder:
         ``rng``); they go into the next push's line."""
         self._extra = extra
 
-    def validation(self, epoch: int, metrics: dict[str, float]) -> None:
-        """The logged values an epoch's end hands its schedulers (after its validation)."""
-        self.writer.write({"kind": "validation", "epoch": epoch,
-                           "metrics": {k: float(v) for k, v in sorted(metrics.items())}})
+    @property
+    def stopped(self) -> bool:
+        """The core stopped (`finish` then writes the stop line)."""
+        return self._stopped
 
     def close(self) -> None:
         self.writer.close()
@@ -90,6 +90,11 @@ class EventRecorder:
         self.writer.write({"kind": "epoch_end", "epoch": core.epoch, "updates": core.updates,
                            "pushes": self._pushes})
 
+    def on_validation(self, core: Any, metrics: Any) -> None:
+        """The logged values an epoch's end hands its schedulers (after its validation)."""
+        self.writer.write({"kind": "validation", "epoch": core.epoch,
+                           "metrics": {k: float(v) for k, v in sorted(metrics.items())}})
+
     def on_remove_learner(self, core: Any, learner: int, clock: float) -> None:
         if learner in self._removed:  # (the real server may hear of one death on two threads)
             return
@@ -104,10 +109,14 @@ class EventRecorder:
                             "in_flight": sorted(pending),
                             "digest": state_digest(core.state) if core.state is not None else None}
 
-    def finish(self, core: Any) -> None:
+    def finish(self, core: Any, final_digest: dict | None = None) -> None:
         """Write the stop line (with every push counted, those after the stop included) and
-        close. Nothing is written if the core never stopped: the log then reads as truncated."""
+        close. ``final_digest``: the stop's digest where the core holds no state (the engine's
+        final parameters, taken elsewhere). Nothing is written if the core never stopped: the
+        log then reads as truncated."""
         if self._stopped:
+            if self._stop_event["digest"] is None:
+                self._stop_event["digest"] = final_digest
             self.writer.write({**self._stop_event, "pushes": self._pushes,
                                "epochs": self._epochs})
         self.close()

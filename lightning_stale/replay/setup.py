@@ -3,7 +3,6 @@ refuse a log that is not this run's at the earliest point."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -45,11 +44,6 @@ def events_path(record_events: Any, trainer: Any) -> Path:
         return Path(log_dir(trainer) or trainer.default_root_dir) / EVENTS_FILE_NAME
     path = Path(os.fspath(record_events))
     return path if path.suffix == ".jsonl" else path / EVENTS_FILE_NAME
-
-
-def combined_digest(digests: list[str]) -> str:
-    """One digest of several micro-batches' digests, in order."""
-    return digests[0] if len(digests) == 1 else hashlib.sha256(":".join(digests).encode()).hexdigest()[:16]
 
 
 def trainer_limits(trainer: Any) -> dict:

@@ -7,12 +7,11 @@ from typing import Any
 
 from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.method.virtual_clock import Finish
-from lightning_stale.replay.events import batch_digest, seed_for, seed_generators
+from lightning_stale.replay.events import batch_digest, combined_digest, seed_for, seed_generators
 from lightning_stale.replay.recorder import EventRecorder
 from lightning_stale.replay.replayer import ReplayServer
 from lightning_stale.replay.setup import (
     check_events_options,
-    combined_digest,
     events_path,
     start_recording,
     start_replay,
@@ -81,10 +80,6 @@ class EventLogMixin:
         """Record the push about to be made (before the server takes it)."""
         if self._recorder is not None:
             self._recorder.next_push(**{**self._push_draw, "batch": combined_digest(self._push_draw["batch"])})
-
-    def _record_validation(self, metrics: dict) -> None:
-        if self._recorder is not None:
-            self._recorder.validation(self._running.core.epoch, metrics)
 
     def _finish_event_log(self) -> None:
         """At train end: the stop line, and the replay's report or the log's path in the stats."""

@@ -10,6 +10,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from lightning_stale.engine.distributed.paths.registry import path_named
 from lightning_stale.replay.real import EngineRecording, start_server_recording
 from lightning_stale.replay.setup import check_events_options, events_path
 
@@ -70,7 +71,7 @@ class EventRecording:
             recording.close_learner_log()
         super().on_train_end()  # type: ignore[misc]  # (`RunEnding`'s: the goodbye, the server's end)
         if recording is not None and self._server is not None and self._final_stats is not None:
-            optimizer = self.optimizers[0] if self.path == "collective" else None
+            optimizer = self.optimizers[0] if path_named(self.path).learners_step_optimizer else None
             events = recording.finish(self._server.core, self.world_size, self.lightning_module, optimizer)
             if events is not None:
                 self._final_stats["events_path"] = events

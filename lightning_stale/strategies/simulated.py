@@ -271,8 +271,7 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
 
     def _end_epoch(self) -> None:
         metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()}
-        self._running.end_epoch(metrics)
-        self._record_validation(metrics)
+        self._running.end_epoch(metrics)  # (the event log's validation line: from the core)
 
     @override
     def enter_validation(self) -> None:

@@ -147,11 +147,6 @@ class ParameterServer:
                 elif kind == _RESUME:
                     self.core.begin_epoch(time.monotonic(), metrics)
                     self.payloads.on_schedule(self.core.epoch, metrics, per_update=False)
-                    # The event log's validation line, written on this thread as every other
-                    # line of the server's part, so that lines never interleave.
-                    validation = getattr(self.core.observer, "validation", None)
-                    if validation is not None:
-                        validation(self.core.epoch, metrics)
                 else:
                     self.core.report_metrics(metrics)
                     self.payloads.on_schedule(self.core.epoch, metrics, per_update=True)

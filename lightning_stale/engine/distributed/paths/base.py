@@ -221,6 +221,9 @@ class ServerPath(ABC):
     payloads_through_server: ClassVar[bool] = False
     # Whether every learner starts from rank 0's parameters by a broadcast (as DDP does).
     broadcasts_start: ClassVar[bool] = True
+    # Whether every learner steps the optimizer on every update, so that rank 0's optimizer
+    # holds the server's optimizer state after the fit.
+    learners_step_optimizer: ClassVar[bool] = False
 
     @abstractmethod
     def problem(self, variant_name: str, on_learner_failure: str, compensation: StalenessCompensation | None,

@@ -244,6 +244,7 @@ class CollectivePath(ServerPath):
     """The sync family at scale: the server decides from headers, every learner steps."""
 
     name = "collective"
+    learners_step_optimizer = True
 
     def problem(self, variant_name: str, on_learner_failure: str, compensation: StalenessCompensation | None,
                 clips: bool = False) -> str | None:
