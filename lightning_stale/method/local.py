@@ -31,6 +31,7 @@ engines use (`VirtualCluster` with ``local_steps``), as every other delay model 
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 from scipy import integrate, special, stats
@@ -46,9 +47,11 @@ from lightning_stale.method.theory import (
 from lightning_stale.method.variants import Variant
 
 
-def _check_local_steps(local_steps) -> int:
-    if isinstance(local_steps, bool) or int(local_steps) != local_steps or local_steps < 1:
-        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+def check_local_steps(local_steps) -> int:
+    """H as an int; ValueError naming the value for a non-integer or H < 1."""
+    if isinstance(local_steps, bool) or not isinstance(local_steps, numbers.Integral) or local_steps < 1:
+        raise ValueError(f"local_steps must be an integer >= 1 (the inner optimizer's steps per "
+                         f"push; 1: a push per step), got {local_steps!r}")
     return int(local_steps)
 
 
@@ -57,7 +60,7 @@ def erlang_order_statistic_mean(k: int, p: int, local_steps: int, rate: float) -
     the integral of the survival function of the order statistic, whose CDF at t is
     I_{F(t)}(K, P - K + 1) for the Erlang CDF F (order statistics of i.i.d. variables). For
     H = 1 it is (H_P - H_{P-K}) / rate (Dutta et al., AISTATS 2018)."""
-    h = _check_local_steps(local_steps)
+    h = check_local_steps(local_steps)
     if not (isinstance(k, int) and isinstance(p, int) and 1 <= k <= p):
         raise ValueError(f"need integers 1 <= k <= p, got k={k!r}, p={p!r}")
     if not (rate > 0 and math.isfinite(rate)):
@@ -76,7 +79,7 @@ def closed_form_local_update_time(variant: Variant, delay, local_steps: int) -> 
     the closed forms of the module docstring; H = 1 is `theory.closed_form_iteration_time`.
     Raises ValueError where none exists (and for delay models other than `Exponential` and
     `ShiftedExponential`)."""
-    h = _check_local_steps(local_steps)
+    h = check_local_steps(local_steps)
     if h == 1:
         return closed_form_iteration_time(variant, delay)
     if not isinstance(delay, (Exponential, ShiftedExponential)):
@@ -101,7 +104,7 @@ def monte_carlo_local_update_times(variant: str | Variant, p: int | None = None,
     Exponential(mean 1 s); seed None keeps the model's own."""
     variant = _as_variant(variant, p, k)
     delay = Exponential(1.0) if delay is None else delay
-    h = _check_local_steps(local_steps)
+    h = check_local_steps(local_steps)
     return np.diff(_update_times(variant, delay, updates, seed, h), prepend=0.0)
 
 
@@ -118,6 +121,6 @@ def expected_local_update_time(variant: str | Variant, p: int | None = None, k: 
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     variant = _as_variant(variant, p, k)
     delay = Exponential(1.0) if delay is None else delay
-    h = _check_local_steps(local_steps)
+    h = check_local_steps(local_steps)
     return _estimate(variant, delay, lambda: closed_form_local_update_time(variant, delay, h), method,
                      updates, warmup, seed, h)

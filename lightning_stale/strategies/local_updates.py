@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import importlib
 import math
-import numbers
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,19 +32,12 @@ from typing_extensions import override
 
 from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.engine.state import Contribution, ModelVectors
+from lightning_stale.method.local import check_local_steps
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.strategies.lightning_api import set_global_step
 
 OuterFactory = Callable[[Sequence[Tensor]], Optimizer]
 PLAIN_AVERAGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}
-
-
-def check_local_steps(local_steps: Any) -> int:
-    """H as an int; ValueError naming the value for a non-integer or H < 1."""
-    if isinstance(local_steps, bool) or not isinstance(local_steps, numbers.Integral) or local_steps < 1:
-        raise ValueError(f"local_steps must be an integer >= 1 (the inner optimizer's steps per "
-                         f"push; 1: a push per step), got {local_steps!r}")
-    return int(local_steps)
 
 
 def refuse_on_real_engine(local_steps: Any) -> None:
