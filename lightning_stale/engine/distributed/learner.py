@@ -115,7 +115,10 @@ class Learner:
                 return [m for m in messages if m.kind != Kind.HEARTBEAT]
 
     def _absorb(self, messages: list[Message]) -> Events:
-        """What ``messages`` mean for the work in progress, taken in order."""
+        """What ``messages`` mean for the work in progress, taken in order. An answer that ends an
+        epoch is followed at once by the server's EPOCH, which is waited for here: the learner
+        pauses at that update, before its loader draws another mini-batch, so what it carries or
+        discards there does not depend on when the EPOCH arrives."""
         events = self._take(messages)
         while events.epoch_ending and not (events.paused or events.stopped or self.paused):
             events.merge(self._take(self._wait(None)))
@@ -318,9 +321,11 @@ class Learner:
 
     # ------------------------------------------------------------------ epochs
     def confirm_epoch_end(self, timeout: float) -> None:
-        """Paused at an epoch's end, wait for the server's answer to the roll call (``roll_call``): every learner
-        alive has reported, the dead are counted in ``dead_learners``, before Lightning's collectives (which a
-        death noticed later would fail)."""
+        """Paused at an epoch's end, wait for the server's answer to the roll call (``roll_call``):
+        every learner alive has reported, the dead are counted in ``dead_learners``, before
+        Lightning's collectives (which a death noticed later would fail). A STOP ends the wait; a
+        learner frozen before it reported holds the answer up, so after ``timeout`` seconds (the
+        bound of those collectives) `TimeoutError`."""
         epoch, deadline = self._reported, time.monotonic() + timeout
         while epoch is not None and self._roll_answered < epoch and not self._stop_waits():
             remaining = deadline - time.monotonic()

@@ -206,9 +206,10 @@ class ParameterServer:
             self._on_push(message)
 
     def unheard_death(self) -> str | None:
-        """A learner's connection broke mid-run where that ends the run, seen by the endpoint before (or without) this
-        server's loop: for the watchdog, which must not depend on that loop (it may be stuck: on a GPU, behind a
-        payload that will never arrive)."""
+        """A learner's connection broke mid-run where that ends the run, seen by the endpoint
+        before (or without) this server's loop: for the watchdog, which must not depend on that
+        loop (it may be stuck: on a GPU, behind a payload that will never arrive). The loop
+        decides as `_on_broken` does; this reads the same facts from another thread."""
         if self.endpoint is None:
             return None
         for learner, error in list(self.endpoint.broken.items()):
@@ -246,8 +247,10 @@ class ParameterServer:
         self._answer_roll_call()
 
     def _answer_roll_call(self) -> None:
-        """Under ``on_learner_failure="continue"`` the learners validate only after every learner still alive has
-        reported at the epoch's end (`Kind.PRESENT`)."""
+        """Under ``on_learner_failure="continue"`` the learners validate only after every learner
+        still alive has reported at the epoch's end (`Kind.PRESENT`). One that died before never
+        reports: its broken connection removes it and the answer counts it dead, so the others
+        know before Lightning's collectives on the default group, which would fail on it."""
         alive = set(self.core.rules.alive) - self._lost - set(self.learner_reports)
         for epoch in sorted(self._present):
             if not alive <= self._present[epoch]:
