@@ -79,7 +79,12 @@ def engine(request, monkeypatch):
 
 @pytest.fixture
 def one_process(monkeypatch):
-    """The environment of a one-process DDP-style run (the real engine with P = 1)."""
+    """The environment of a one-process DDP-style run (the real engine with P = 1); the default
+    group such a run leaves for the exit hook is destroyed afterwards."""
+    import torch.distributed as dist
     from engines import one_process_environment
 
     one_process_environment(monkeypatch)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

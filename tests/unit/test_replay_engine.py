@@ -6,7 +6,6 @@ import json
 
 import pytest
 import pytorch_lightning as pl
-import torch
 from torch import nn
 
 from engines import QUIET
@@ -24,17 +23,6 @@ class DropoutBatchNorm(WarmupAdamW):
         super().__init__(warmup=0.5, lr=0.02)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3),
                                  nn.Linear(16, 3))
-
-
-@pytest.fixture
-def single_process(monkeypatch):
-    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29631")
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 class EpochMetrics(pl.Callback):
@@ -58,7 +46,7 @@ def _fit(strategy, tmp_path, callbacks=()):
     return trainer
 
 
-def test_a_one_process_run_is_recorded_and_replays_bit_for_bit(single_process, tmp_path):
+def test_a_one_process_run_is_recorded_and_replays_bit_for_bit(one_process, tmp_path):
     epochs = EpochMetrics()
     trainer = _fit(StaleStrategy("k_async", 1, record_events=True, digest_every=1, record_trace=False,
                                  seed=3), tmp_path, [epochs])

@@ -2,29 +2,16 @@
 
 import pytest
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.demos.boring_classes import BoringModel
 
 from lightning_stale import StaleStrategy, WallClockLogger
 from lightning_stale.data import DigitsDataModule
 from lightning_stale.delays import Exponential, SlowLearners
-from lightning_stale.models import MLP, Classifier
 from lightning_stale.method.variants import VARIANT_NAMES
+from lightning_stale.models import MLP, Classifier
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
              enable_model_summary=False, num_sanity_val_steps=0)
-
-
-@pytest.fixture
-def single_process(monkeypatch):
-    """A one-process DDP-style run; cleans up the default process group afterwards."""
-    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29617")
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -72,14 +59,14 @@ def test_variant_names_are_registered_strategies(name):
     (dict(val_check_interval=5), "val_check_interval must be 1.0"),
     (dict(sync_batchnorm=True), "sync_batchnorm must be False"),
 ])
-def test_unsupported_trainer_settings_fail_before_training(single_process, trainer_kwargs, match):
+def test_unsupported_trainer_settings_fail_before_training(one_process, trainer_kwargs, match):
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, strategy=StaleStrategy("async"),
                          **trainer_kwargs, **QUIET)
     with pytest.raises(ValueError, match=match):
         trainer.fit(BoringModel())
 
 
-def test_manual_optimization_fails_before_training(single_process):
+def test_manual_optimization_fails_before_training(one_process):
     class Manual(BoringModel):
         def __init__(self):
             super().__init__()
@@ -90,7 +77,7 @@ def test_manual_optimization_fails_before_training(single_process):
         trainer.fit(Manual())
 
 
-def test_one_process_runs_the_whole_stack(single_process, tmp_path):
+def test_one_process_runs_the_whole_stack(one_process, tmp_path):
     """P = 1: the server thread and the learner on the same rank, through Lightning's loops."""
     pl.seed_everything(0)
     dm = DigitsDataModule(batch_size=32)
