@@ -284,8 +284,7 @@ class ServerCore:
         weights = None if weights is None else tuple(weights[i] for i in order)
         lrs = None  # the learning rates this step uses (read before the schedulers step)
         if self.observer is not None and self.state is not None:
-            self.state.schedules.sync_options()
-            lrs = tuple(float(g["lr"]) for g in self.state.optimizer.param_groups)
+            lrs = self.state.step_lrs()
         if self.state is not None:
             self.state.apply(cast("list[Contribution]", list(contributions)), weights, update.index)
             self._snapshot_current()

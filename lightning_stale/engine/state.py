@@ -261,6 +261,14 @@ class ServerState:
         self._snapshot = None
         self.schedules.after_update(update_index)
 
+    def step_lrs(self) -> tuple[float, ...]:
+        """The learning rates the next `apply` steps with: the learner optimizer's group options,
+        which `Schedules.before_step` copies into the stepped optimizer (read there, so that
+        nothing is copied twice); with an outer optimizer, its own."""
+        copied = self.schedules.stepped is self.optimizer
+        groups = (self.schedules.learner_optimizer if copied else self.optimizer).param_groups
+        return tuple(float(g["lr"]) for g in groups)
+
     def has_snapshot(self, version: int, device: torch.device | None = None) -> bool:
         """Whether `snapshot` of ``version`` on ``device`` is made already."""
         return self._snapshot is not None and self._snapshot[0] == version and \

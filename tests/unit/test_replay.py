@@ -111,8 +111,12 @@ def test_log_holds_what_the_format_says(tmp_path):
     assert len(dropped) == stats["gradients_dropped_by_reason"].get("stale", 0)
     assert sum(len(p["cancel"]) for p in log.pushes) == stats["cancellations"]
     assert all(("digest" in u) == (u["update"] % 2 == 0) for u in log.updates)
-    warm_up = [u["lr"][0] for u in log.updates]
-    assert warm_up[0] < warm_up[-1]  # the step's learning rate, as the schedule set it
+    # the learning rate each update's step took: the warm-up's value after j - 1 steps
+    model = trainer.lightning_module
+    warmup_steps = max(1, int(model.hparams.warmup * model.total_steps))
+    expected = [0.02 * min(1.0, j / warmup_steps) for j in range(1, len(log.updates) + 1)]
+    assert [u["lr"][0] for u in log.updates] == pytest.approx(expected, rel=1e-12)
+    assert expected[0] < expected[-1]
     seeds = {p["rng"] for p in log.pushes}
     assert len(seeds) == len(log.pushes)  # one seed per (learner, push index)
     assert [p["draw"] for p in log.pushes] == list(range(len(log.pushes)))

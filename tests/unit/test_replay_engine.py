@@ -58,6 +58,11 @@ def test_a_one_process_run_is_recorded_and_replays_bit_for_bit(one_process, tmp_
     assert [p["index"] for p in log.pushes] == list(range(len(log.pushes)))
     assert all(len(p["indices"]) == 1 and len(p["indices"][0]) == 16 for p in log.pushes)
     assert sum(e["kind"] == "epoch_end" for e in log.events) == 2  # 5 pushes an epoch
+    # the learning rate each update's step took: the warm-up's value after j - 1 steps
+    model = trainer.lightning_module
+    warmup_steps = max(1, int(model.hparams.warmup * model.total_steps))
+    expected = [0.02 * min(1.0, j / warmup_steps) for j in range(1, 13)]
+    assert [u["lr"][0] for u in log.updates] == pytest.approx(expected, rel=1e-12)
     # Each epoch's end is followed by its validation point, before the next epoch's pushes,
     # with the metrics handed to the epoch's schedulers (the fit stops inside the third epoch).
     kinds = [e["kind"] for e in log.events]
