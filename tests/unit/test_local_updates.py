@@ -472,3 +472,21 @@ def test_lightning_cli_sets_local_steps_and_the_outer_optimizer():
     strategy = cli("pytorch_lightning", args).trainer.strategy
     assert isinstance(strategy, SimulatedStaleStrategy) and strategy.local_steps == 4
     assert strategy.outer_optimizer == DILOCO
+
+
+# ---------------------------------------------------------------- parameters without gradients
+@pytest.mark.parametrize("cls,still", [(um.FrozenBackbone, "backbone"), (um.UnusedHead, "aux_head")])
+def test_parameters_without_gradients_stay_put_under_local_updates(cls, still):
+    """A frozen backbone (requires_grad_(False), handed to AdamW anyway) and a head no loss
+    reaches (under weight decay) stay where they started, as under DDP; the rest trains. The
+    outer step is DiLoCo's Nesterov with weight decay, which would move a parameter handed a zero
+    pseudo-gradient instead of none."""
+    decaying = {"class_path": DILOCO["class_path"], "init_args": {**DILOCO["init_args"], "weight_decay": 0.1}}
+    torch.manual_seed(0)
+    module = cls()
+    start = {name: p.detach().clone() for name, p in module.named_parameters()}
+    fit(module, um.BlobData(batch_size=16), variant="k_async", k=1, learners=2,
+        strategy_kwargs={"local_steps": 3, "outer_optimizer": decaying}, max_steps=12, max_epochs=4)
+    for name, p in module.named_parameters():
+        moved = not torch.equal(p.detach(), start[name])
+        assert moved != name.startswith(still), name
