@@ -31,7 +31,6 @@ import atexit
 import importlib
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_stale.engine.distributed.frames import RECEIVER
 from lightning_stale.engine.distributed.learner import Learner, RunInterrupted, ServerFailed
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,6 @@ def run_bounded(target: Callable[..., Any], *args: Any, name: str, timeout: floa
 
 
 _AT_EXIT = {"registered": False, "clean": True, "leave_early": False}
-# The threads that receive from peers in a gloo receive (transport, sharded.mesh)
-RECEIVING = re.compile(r"stale-(server|learner|mesh)-recv-\d+$")
 # Where Lightning keeps the exit hook that destroys the process groups (`destroy_groups_at_exit`)
 LIGHTNING_EXIT_HOOKS = ("lightning_fabric.utilities.distributed", "lightning.fabric.utilities.distributed")
 
@@ -104,7 +102,7 @@ def exit_before_finalization() -> None:
 
 
 def _exit_if_still_receiving() -> None:
-    if any(RECEIVING.match(t.name) and t.is_alive() for t in threading.enumerate()):
+    if any(RECEIVER.match(t.name) and t.is_alive() for t in threading.enumerate()):
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

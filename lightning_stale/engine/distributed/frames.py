@@ -8,6 +8,7 @@ channel (`channels`). `open_routes` chooses a rank's routes once; `send` and `re
 from __future__ import annotations
 
 import datetime
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +132,15 @@ def send(message: Envelope, dst: int, group, tags: tuple[int, int], lane: Lane |
         channel.send(payload, message.ready)
     elif payload is not None:
         dist.send(payload.contiguous(), dst=dst, group=group, tag=tags[1])
+
+
+def receiver_name(side: str, peer: int) -> str:
+    """The name of a thread that sits in `recv` from ``peer``: `strategies.faults` looks for
+    such threads at a failed process's exit (`RECEIVER`)."""
+    return f"stale-{side}-recv-{peer}"
+
+
+RECEIVER = re.compile(r"stale-\w+-recv-\d+$")  # what `receiver_name` names
 
 
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,

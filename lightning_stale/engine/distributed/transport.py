@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.engine.distributed.channels import Channel, carried
-from lightning_stale.engine.distributed.frames import FRAME_BYTES, PayloadRoutes, recv, send
+from lightning_stale.engine.distributed.frames import FRAME_BYTES, PayloadRoutes, receiver_name, recv, send
 from lightning_stale.engine.distributed.lanes import Lane, LaneClosed
 from lightning_stale.engine.distributed.messages import (
     INLINE_PAYLOAD_BYTES,
@@ -69,7 +69,7 @@ class ServerEndpoint:
         for r in self._outboxes:
             self._threads += [
                 threading.Thread(target=self._send_loop, args=(r,), daemon=True, name=f"stale-server-send-{r}"),
-                threading.Thread(target=self._receive_loop, args=(r,), daemon=True, name=f"stale-server-recv-{r}")]
+                threading.Thread(target=self._receive_loop, args=(r,), daemon=True, name=receiver_name("server", r))]
         for t in self._threads:
             t.start()
 
@@ -229,7 +229,7 @@ class LearnerEndpoint:
         self._thread = None
         if local_server is None:
             self._thread = threading.Thread(target=self._receive_loop, daemon=True,
-                                            name=f"stale-learner-recv-{rank}")
+                                            name=receiver_name("learner", rank))
             self._thread.start()
 
     @property

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_stale.engine.distributed.channels import Channel, carried
-from lightning_stale.engine.distributed.frames import FRAME_BYTES, recv, send
+from lightning_stale.engine.distributed.frames import FRAME_BYTES, receiver_name, recv, send
 from lightning_stale.engine.distributed.messages import Kind, ShardData, TransportError
 
 DATA, DATA_PAYLOAD = 31, 32  # tags: data between ranks (not the server's control traffic)
@@ -44,7 +44,8 @@ class DataMesh:
         for peer in self._outboxes:
             self._threads += [
                 threading.Thread(target=self._send_loop, args=(peer,), daemon=True, name=f"stale-mesh-send-{peer}"),
-                threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"stale-mesh-recv-{peer}")]
+                threading.Thread(target=self._receive_loop, args=(peer,), daemon=True,
+                                 name=receiver_name("mesh", peer))]
 
     def payload_device(self, device: torch.device) -> torch.device | None:
         """Where a payload for the peers is made: on ``device`` (the module's) where it goes
