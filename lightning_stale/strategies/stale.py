@@ -330,12 +330,19 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
             discarded, version, carried = learner.cancelled, learner.version, learner.carried
+            stopped = learner.stopped
             self.guarded(learner.step, loss_value, self._batch_samples, self._batch_started,
                           "overflow" if overflow else None)
             self._record_step(learner, carried)
-            if learner.cancelled > discarded and learner.version == version and not learner.stopped:
-                # Discarded with no new parameters (it started after an epoch's end): as if it
-                # never ran, so its forward passes leave no trace in the buffers either.
+            # The server's state loaded during the step (new parameters, or the STOP, which
+            # always loads) replaced what the forward passes left; nothing to undo then.
+            loaded = learner.version != version or (learner.stopped and not stopped)
+            if learner.cancelled > discarded and not loaded:
+                # Discarded with nothing loaded (it started after an epoch's end, or after the
+                # server's STOP was taken as training went on): as if it never ran, so its
+                # forward passes leave no trace in the buffers either, and the module ends
+                # with the server's final buffers (docs/concepts/server.md, "Buffers are
+                # model state").
                 with torch.no_grad():
                     for buffer, saved in zip(learner.vectors.buffers, self._buffers_at_start):
                         buffer.copy_(saved)

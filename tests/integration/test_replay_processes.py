@@ -66,15 +66,7 @@ def replay(path, tmp_path, module=build_module, **options):
     return strategy.replay_report
 
 
-# On the sharded path under the async family, the final BatchNorm counters of rank 0's module
-# sometimes differ from the replay's (num_batches_tracked 2 against 1, parameters equal): whether
-# the engine's final buffers or the replay's model of a learner's buffers is wrong is not yet known.
-BUFFERS_UNSETTLED = pytest.mark.xfail(
-    strict=False, reason="sharded async family: rank 0's final BatchNorm counters can differ from the replay's")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=BUFFERS_UNSETTLED)
-                                  if name.endswith("async-sharded") else name for name in RUNS])
+@pytest.mark.parametrize("name", RUNS)
 def test_a_real_run_replays_update_for_update(recorded, name, tmp_path):
     path = recorded[name]["events_path"]
     log = read_events(path)

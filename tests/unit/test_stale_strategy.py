@@ -1,7 +1,10 @@
 """StaleStrategy in one process: option checks, registration and a P = 1 run of the full stack."""
 
+import time
+
 import pytest
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.demos.boring_classes import BoringModel
 
 from lightning_stale import StaleStrategy, WallClockLogger
@@ -9,6 +12,7 @@ from lightning_stale.data import DigitsDataModule
 from lightning_stale.delays import Exponential, SlowLearners
 from lightning_stale.method.variants import VARIANT_NAMES
 from lightning_stale.models import MLP, Classifier
+from user_modules import BlobData
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
              enable_model_summary=False, num_sanity_val_steps=0)
@@ -97,3 +101,63 @@ def test_one_process_runs_the_whole_stack(one_process, tmp_path):
     lines = (tmp_path / "delays.csv").read_text().splitlines()
     assert lines[0] == "learner,index,delay_s" and len(lines) - 1 >= 80
     assert trainer.callback_metrics["val/acc"] > 0.5
+
+
+class BatchNormClassifier(pl.LightningModule):
+    """Linear, BatchNorm, ReLU, Linear under SGD: a module whose forward passes change its buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class StopWhenTrainingGoesOn(pl.Callback):
+    """At the first batch after the first epoch's end, asks the server to stop and waits until its
+    STOP is in the learner's inbox: the strategy takes it as training goes on (before the batch's
+    forward pass), as a learner does whose carried push the server answers with its stop."""
+
+    def __init__(self):
+        self.asked, self.stopped_before_backward = False, None
+
+    def on_before_backward(self, trainer, *args):
+        if self.asked and self.stopped_before_backward is None:
+            self.stopped_before_backward = trainer.strategy._learner.stopped
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.current_epoch == 1 and not self.asked:
+            self.asked = True
+            learner = trainer.strategy._learner
+            learner.request_stop()
+            deadline = time.monotonic() + 30
+            while not learner.stop_heard():
+                assert time.monotonic() < deadline, "no STOP within 30 s"
+                time.sleep(0.01)
+
+
+def test_a_batch_started_after_the_stop_leaves_no_trace_in_the_final_buffers(one_process):
+    """The learner takes the server's STOP (its final parameters and buffers) when training goes
+    on after an epoch's end; the batch that then runs is never pushed, so its forward pass must
+    not count in the module's BatchNorm statistics: the module ends with the server's state."""
+    pl.seed_everything(0)
+    stop = StopWhenTrainingGoesOn()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, strategy=StaleStrategy("async"),
+                         callbacks=[stop], limit_val_batches=0, **QUIET)
+    model = BatchNormClassifier()
+    trainer.fit(model, BlobData(batch_size=32, n=96))  # 3 batches an epoch
+    assert stop.stopped_before_backward  # the STOP was loaded before that batch's forward pass
+    assert trainer.strategy.stats["updates"] == 3
+    server = trainer.strategy.core.state
+    bn = model.net[1]
+    assert int(bn.num_batches_tracked) == 3  # one per applied push, none for the discarded batch
+    for mine, servers in zip((bn.running_mean, bn.running_var, bn.num_batches_tracked), server.buffers):
+        assert torch.equal(mine, servers)
+    for mine, servers in zip(model.parameters(), server.params):
+        assert torch.equal(mine.detach(), servers)
