@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -141,6 +142,22 @@ def receiver_name(side: str, peer: int) -> str:
 
 
 RECEIVER = re.compile(r"stale-\w+-recv-\d+$")  # what `receiver_name` names
+
+
+def peer_threads(side: str, peers, send_loop: Callable[[int], None],
+                 receive_loop: Callable[[int], None]) -> list[threading.Thread]:
+    """A sending and a receiving thread per peer (not started): a slow peer holds up only its own."""
+    return [threading.Thread(target=loop, args=(peer,), daemon=True, name=name)
+            for peer in peers for loop, name in ((send_loop, f"stale-{side}-send-{peer}"),
+                                                 (receive_loop, receiver_name(side, peer)))]
+
+
+def join_threads(threads: list[threading.Thread], timeout: float) -> list[str]:
+    """Wait for ``threads``, all within ``timeout`` seconds; the names of those still running."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threads if t.is_alive()]
 
 
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.engine.distributed.channels import Channel, carried
-from lightning_stale.engine.distributed.frames import FRAME_BYTES, PayloadRoutes, receiver_name, recv, send
+from lightning_stale.engine.distributed.frames import FRAME_BYTES, join_threads, peer_threads, receiver_name, recv, send
 from lightning_stale.engine.distributed.lanes import Lane, LaneClosed
 from lightning_stale.engine.distributed.messages import (
     INLINE_PAYLOAD_BYTES,
@@ -32,8 +32,7 @@ from lightning_stale.engine.distributed.messages import (
     payload_text,
 )
 
-__all__ = ["FRAME_BYTES", "INLINE_PAYLOAD_BYTES", "LearnerEndpoint", "PayloadRoutes", "ServerEndpoint", "recv",
-           "send"]
+__all__ = ["INLINE_PAYLOAD_BYTES", "LearnerEndpoint", "ServerEndpoint"]
 
 UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and server->learner
 # The largest payloads a receiver accepts besides the model's own size: a goodbye's delays, and
@@ -65,11 +64,7 @@ class ServerEndpoint:
         self._outboxes: dict[int, queue.Queue[Message | Order | None]] = {
             r: queue.Queue() for r in range(1, num_learners)}
         self._closed: set[int] = set()  # learners that left, died or were told to stop
-        self._threads = []
-        for r in self._outboxes:
-            self._threads += [
-                threading.Thread(target=self._send_loop, args=(r,), daemon=True, name=f"stale-server-send-{r}"),
-                threading.Thread(target=self._receive_loop, args=(r,), daemon=True, name=receiver_name("server", r))]
+        self._threads = peer_threads("server", self._outboxes, self._send_loop, self._receive_loop)
         for t in self._threads:
             t.start()
 
@@ -201,11 +196,7 @@ class ServerEndpoint:
         self.deliver(Message(Kind.FAILED, learner=learner, error=error))
 
     def join(self, timeout: float) -> list[str]:
-        """Wait for the threads; names of those still running after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in self._threads if t.is_alive()]
+        return join_threads(self._threads, timeout)
 
 
 class LearnerEndpoint:
