@@ -157,27 +157,51 @@ class CheckpointPart:
     """A path's part of a checkpoint written on rank 0: the module's and optimizer's state as
     the server has it, and the server's books (``"stale_server"``: version, updates, epoch,
     samples, the LR schedulers), the same format on every path, so a run resumes on any path.
-    By default the module and optimizer already hold them (nothing to add)."""
+    `read` takes all three at one instant, for the parts of one checkpoint, which Lightning
+    reads one after the other while the server steps on; by default (None) the module and
+    optimizer already hold them."""
 
     def __init__(self, view: CheckpointView) -> None:
         self.view = view
+        self._held: tuple[dict, dict, dict] | None = None
 
     @property
     def live(self) -> bool:
         """Training has not finished: the server's state is not the module's yet."""
         return not self.view.finished()
 
+    def read(self) -> tuple[dict, dict, dict] | None:
+        """The server's named parameters and buffers, optimizer state and books (what of them
+        differs from `ParameterServer.state_dict`), copied at one instant; None: nothing."""
+        return None
+
+    def _instant(self) -> tuple[dict, dict, dict] | None:
+        if not self.live:
+            return None
+        if self._held is None:
+            self._held = self.read()
+        return self._held
+
     def module_state(self, state_dict: dict) -> dict:
         """``state_dict`` (the module's own) with the server's parameters and buffers."""
+        self._held = None  # a checkpoint begins here: its instant is now
+        instant = self._instant()
+        if instant is not None:
+            state_dict.update(instant[0])
         return state_dict
 
     def optimizer_state(self, own: dict) -> dict:
         """The optimizer's state as the server has it (``own``: rank 0's optimizer's)."""
-        return own
+        instant = self._instant()
+        return own if instant is None else instant[1]
 
     def engine_state(self) -> dict:
         """The server's books, matching the parameters saved beside them."""
-        return self.view.server.state_dict()
+        saved, instant = self.view.server.state_dict(), self._instant()
+        self._held = None  # the next checkpoint reads anew
+        if instant is not None:
+            saved.update(instant[2])
+        return saved
 
     def finish(self) -> None:
         """After the stop: rank 0's optimizer takes the server's final state."""

@@ -127,40 +127,17 @@ class CentralPath(ServerPath):
 
 
 class CentralCheckpoint(CheckpointPart):
-    """The server's `ServerState` on rank 0, read at one instant for all the parts of one
-    checkpoint, which Lightning reads one after the other while the server steps on."""
+    """The server's `ServerState` on rank 0."""
 
-    def __init__(self, view: CheckpointView) -> None:
-        super().__init__(view)
-        self._held: tuple[dict, dict, dict] | None = None
-
-    def module_state(self, state_dict: dict) -> dict:
-        if not self.live:
-            return state_dict
-        self._held = None  # a checkpoint begins here: its instant is now
-        state_dict.update(self._instant()[0])
-        return state_dict
-
-    def optimizer_state(self, own: dict) -> dict:
-        return self._instant()[1] if self.live else own
-
-    def engine_state(self) -> dict:
-        saved = self._instant()[2] if self.live else self.view.server.state_dict()
-        self._held = None  # the next checkpoint reads anew
-        return saved
+    def read(self) -> tuple[dict, dict, dict]:
+        """Copied: the server steps in place once its lock is released."""
+        server: Any = self.view.server
+        with server.reading():
+            state = server.core.state
+            return (state.named_state(self.view.module), copy.deepcopy(state.optimizer.state_dict()),
+                    copy.deepcopy(server.core.state_dict()))
 
     def finish(self) -> None:
         server = self.view.server
         with server.reading():
             self.view.optimizer().load_state_dict(server.core.state.optimizer.state_dict())
-
-    def _instant(self) -> tuple[dict, dict, dict]:
-        """The server's parameters, optimizer state and books at one instant, copied (the server
-        steps in place once its lock is released)."""
-        if self._held is None:
-            server: Any = self.view.server
-            with server.reading():
-                state = server.core.state
-                self._held = (state.named_state(self.view.module), copy.deepcopy(state.optimizer.state_dict()),
-                              copy.deepcopy(server.core.state_dict()))
-        return self._held

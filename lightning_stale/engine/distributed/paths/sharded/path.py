@@ -292,7 +292,6 @@ class ShardedCheckpoint(CheckpointPart):
         side = view.learner_side
         assert isinstance(side, ShardedExchange), "rank 0's learner side is the sharded path's"
         self.layout, self.params = side.layout, side.vectors.params
-        self._gathered: tuple | None = None  # (vector, optimizer state, schedulers, version)
         self._requests = FINAL
         self._warned = False
 
@@ -301,29 +300,12 @@ class ShardedCheckpoint(CheckpointPart):
         """The run failed: what the owners held cannot be gathered."""
         return self.live and self.view.server.error is not None
 
-    def module_state(self, state_dict: dict) -> dict:
-        if self.lost:  # (Lightning asks for the module's state first: the warning goes here)
-            self._warn_lost()
-            return state_dict
-        if not self.live:
-            return state_dict
-        self._gathered = None  # a checkpoint begins here: its instant is now
-        state_dict.update(named_state(self.view.module, self._gather()[0]))
-        return state_dict
-
-    def optimizer_state(self, own: dict) -> dict:
-        return own if not self.live or self.lost else self._gather()[1]
-
     def engine_state(self) -> dict:
-        saved = self.view.server.state_dict()
-        learner = self.view.learner()
-        if self.lost:
-            version = learner.version if learner is not None else saved["version"]
-            saved.update(version=version, updates=version, schedulers=[])
-        elif self.live:
-            _, _, schedulers, version = self._gather()
-            saved.update(version=version, updates=version, schedulers=schedulers)
-        self._gathered = None  # the next checkpoint gathers anew
+        if not self.lost:
+            return super().engine_state()
+        saved, learner = self.view.server.state_dict(), self.view.learner()
+        version = learner.version if learner is not None else saved["version"]
+        saved.update(version=version, updates=version, schedulers=[])
         return saved
 
     def finish(self) -> None:
@@ -340,16 +322,17 @@ class ShardedCheckpoint(CheckpointPart):
                         "parameters (version %d) without optimizer or scheduler state: the shard "
                         "owners' state was lost with the failure", learner.version if learner else -1)
 
-    def _gather(self) -> tuple:
-        if self._gathered is None:
-            server, check = self.view.server, self.view.check_server
-            if server.core.stopped:  # the owners have retired: the state gathered at the stop
-                states, saved, version = server.payloads.gathered(FINAL, check, keep=True)
-            else:
-                self._requests += 1
-                server.gather(self._requests)
-                states, saved, version = server.payloads.gathered(self._requests, check)
-            self._gathered = (self.layout.join(states),
-                              assemble_optimizer_state(self.view.optimizer(), self.layout, self.params, saved),
-                              saved[0]["schedulers"], version)
-        return self._gathered
+    def read(self) -> tuple[dict, dict, dict] | None:
+        if self.lost:  # (Lightning asks for the module's state first: the warning goes there)
+            self._warn_lost()
+            return None
+        server, check = self.view.server, self.view.check_server
+        if server.core.stopped:  # the owners have retired: the state gathered at the stop
+            states, saved, version = server.payloads.gathered(FINAL, check, keep=True)
+        else:
+            self._requests += 1
+            server.gather(self._requests)
+            states, saved, version = server.payloads.gathered(self._requests, check)
+        return (named_state(self.view.module, self.layout.join(states)),
+                assemble_optimizer_state(self.view.optimizer(), self.layout, self.params, saved),
+                {"version": version, "updates": version, "schedulers": saved[0]["schedulers"]})
