@@ -160,14 +160,12 @@ class ServerCore:
              unusable: str | None = None) -> Outcome:
         """Learner ``learner`` pushed a gradient computed at parameters of ``version``;
         ``unusable`` names why the push carries no usable gradient (e.g. "overflow")."""
-        if self.rules.stopped:  # arrived after the stop: counted as in flight, nothing else
-            decision = self.rules.on_push(learner, version)
-            if self.observer is not None:
-                self.observer.on_push(self, decision, clock, loss)
-            return Outcome(decision)
-        decision = self.rules.on_push(learner, version, unusable)
+        stopped = self.rules.stopped  # arrived after the stop: counted as in flight, nothing else
+        decision = self.rules.on_push(learner, version, None if stopped else unusable)
         if self.observer is not None:
             self.observer.on_push(self, decision, clock, loss)
+        if stopped:
+            return Outcome(decision)
         if decision.accepted and decision.push is not None:
             self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
         applied = self._apply(decision.update, clock) if decision.update is not None else None
