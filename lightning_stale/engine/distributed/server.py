@@ -295,9 +295,7 @@ class ParameterServer:
                 log.warning("%s after training had stopped: ignored", reason)
                 return
         self.interruption = reason
-        for learner in self.core.rules.alive:
-            self._out.send(learner, Message(Kind.INTERRUPT, learner, error=reason,
-                                                payload=text_payload(reason)))
+        self._tell_all(Kind.INTERRUPT, reason)
         self._stop()
 
     def _abort(self, reason: str, interrupted: bool = False) -> None:
@@ -307,10 +305,11 @@ class ParameterServer:
         self.error, self.interrupted = reason, interrupted
         with self.lock:
             self.core.stop()
+        self._tell_all(Kind.ABORT, reason, Flag.INTERRUPTED if interrupted else 0)
+
+    def _tell_all(self, kind: Kind, reason: str, flags: int = 0) -> None:
         for learner in self.core.rules.alive:
-            self._out.send(learner, Message(Kind.ABORT, learner, error=reason,
-                                                flags=Flag.INTERRUPTED if interrupted else 0,
-                                                payload=text_payload(reason)))
+            self._out.send(learner, Message(kind, learner, flags=flags, error=reason, payload=text_payload(reason)))
 
     # ------------------------------------------------------------------ sending
     def _send(self, learner: int, kind: Kind, decision: Decision | None = None) -> None:
