@@ -70,21 +70,18 @@ class Learner:
     def failure(self) -> str | None:
         """Why the run failed, as far as this learner knows (what it raised, the server's ABORT, a
         broken connection, a silent server); safe from another thread (the watchdog's)."""
-        if self._raised or self.endpoint.failure:
-            return self._raised or self.endpoint.failure
-        silent = self._watch.silent_for()
-        if not self.endpoint.local and silent > self.server_timeout:
-            return f"learner {self.rank}: no message from the server for {silent:.0f} s"
-        return None
+        return self._raised or self.endpoint.failure or self._silence(self._watch)
+
+    def _silence(self, clock: Silence) -> str | None:
+        """Why the run failed where the server stayed silent too long on ``clock``, else None."""
+        silent = clock.silent_for()
+        if self.endpoint.local or silent <= self.server_timeout:
+            return None
+        return f"learner {self.rank}: no message from the server for {silent:.0f} s: its process is gone or frozen"
 
     def _check_health(self) -> None:
         """Raise if the server failed or went silent (while waiting for anything)."""
-        error = self._server_error()
-        silent = self._poll.silent_for()
-        if not error and not self.endpoint.local and silent > self.server_timeout:
-            error = (f"learner {self.rank}: no message from the server for {silent:.0f} s: "
-                     "its process is gone or frozen")
-        error = error or self.endpoint.failure
+        error = self._server_error() or self._silence(self._poll) or self.endpoint.failure
         if error:
             raise ServerFailed(self._fail(error))
 
