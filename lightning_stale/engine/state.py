@@ -99,9 +99,13 @@ class ModelVectors:
             offset += size
         self._load(parts)
 
-    def _load(self, parts: Sequence[Tensor]) -> None:
+    def load_buffers(self, flat: Tensor) -> None:
+        """Load the buffers' part of a `state_vector` (integer buffers rounded)."""
+        self._load(torch.split(flat, self._buffer_sizes), self.buffers)
+
+    def _load(self, parts: Sequence[Tensor], into: Sequence[Tensor] | None = None) -> None:
         with torch.no_grad():
-            for dst, part in zip(self.params + self.buffers, parts):
+            for dst, part in zip(self.params + self.buffers if into is None else into, parts):
                 src = part.view_as(dst)
                 dst.copy_(src.round() if not dst.is_floating_point() else src, non_blocking=True)
 

@@ -163,7 +163,7 @@ class CollectiveExchange(LearnerSide):
         """An update: add this learner's share, all-reduce, step."""
         if message.payload is None:
             if message.kind == Kind.STOP and self._settled is not None:
-                self._load_buffers(self._settled)
+                self.vectors.load_buffers(self._settled)
             return
         if message.kind not in (Kind.PARAMS, Kind.STOP):
             return
@@ -193,7 +193,7 @@ class CollectiveExchange(LearnerSide):
         buffers = reduced[n:s]
         for (a, z), value in zip(self._integers, largest):
             buffers[a - n:z - n] = value
-        self._load_buffers(buffers)
+        self.vectors.load_buffers(buffers)
         if self._settled is not None:
             self._settled.copy_(buffers)
         self.schedules.after_update(message.version)
@@ -217,14 +217,6 @@ class CollectiveExchange(LearnerSide):
         if len(self._pending) != 1 or payload[0] != p or not bool((payload[1:1 + p] == 1).all()):
             raise RuntimeError(f"learner {self.rank}: the server's update {payload[:1 + p].tolist()} "
                                "does not take the overlapped round of every learner")
-
-    def _load_buffers(self, flat: Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for b in self.vectors.buffers:
-                part = flat[offset:offset + b.numel()].view_as(b)
-                b.copy_(part.round() if not b.is_floating_point() else part)
-                offset += b.numel()
 
     def _largest_integers(self, taken: list[Tensor], own: Tensor | None = None) -> list[Tensor]:
         """Integer buffers (e.g. BatchNorm's batch count) take the largest pushed value (``own``:
