@@ -152,23 +152,17 @@ def channel_backend(wanted: bool, path: str, world: int, default_backend: str | 
                      "process_group_backend='nccl', or pass payload_channels=False (the default)")
 
 
-def levels_agree(group, device: torch.device) -> bool:
-    """`streams.separate_levels` on every rank of ``group`` (collective): the ranks decide
-    alike whether to open the channels, whose groups every rank creates."""
-    flag = torch.tensor([int(streams.separate_levels(device))])
-    if group is not None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
 def settle_channels(wanted: bool, path: str, world: int, default_backend: str | None, device: torch.device,
                     on_learner_failure: str, push_bytes: int, group) -> str | None:
-    """`channel_backend`, asking every rank for its stream levels (`levels_agree`, collective)
-    only where NCCL channels would open: the same answer on every rank."""
+    """`channel_backend`, where NCCL channels would open with every rank's `streams.separate_levels`
+    (collective over ``group``): the ranks decide alike, as every rank creates the channels' groups."""
     backend = channel_backend(wanted, path, world, default_backend, device, on_learner_failure, push_bytes)
-    if backend == "nccl" and not levels_agree(group, device):
+    if backend == "nccl":
+        flag = torch.tensor([int(streams.separate_levels(device))])
+        if group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         backend = channel_backend(wanted, path, world, default_backend, device, on_learner_failure, push_bytes,
-                                  separate_levels=False)
+                                  separate_levels=bool(flag.item()))
     return backend
 
 
