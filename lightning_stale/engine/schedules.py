@@ -20,11 +20,8 @@ class Schedules:
     callbacks such as ``LearningRateMonitor`` and checkpoints read the schedule. Where another
     optimizer takes the steps (``stepped``: the server's copy, or a shard of it), its group
     options (learning rate, momentum, ...) are copied from the learner's before every step and
-    after every scheduler step.
-
-    Attributes:
-        metrics: the latest logged values, for plateau schedulers stepped per update.
-        steps_per_update: the steps an update counts for (H with local updates, else 1).
+    after every scheduler step. ``metrics``: the latest logged values, for plateau schedulers
+    stepped per update; ``steps_per_update``: H with local updates, else 1.
     """
 
     steps_per_update = 1

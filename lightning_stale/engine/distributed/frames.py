@@ -1,9 +1,6 @@
-"""A message's frame on the wire, and the routes its payload takes (`PayloadRoutes`).
-
-A frame is the header with a small payload inside (up to INLINE_PAYLOAD_BYTES), else the header
-alone, the payload following as a second gloo message, in shared memory (`lanes`) or on a device
-channel (`channels`). `open_routes` chooses a rank's routes once; `send` and `recv` take them.
-"""
+"""A message's frame on the wire: the header with a small payload inside, else the header alone,
+the payload following as a second gloo message, in shared memory (`lanes`) or on a device channel
+(`channels`). `open_routes` chooses a rank's routes (`PayloadRoutes`) once; `send`, `recv` take them."""
 
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ class PayloadRoutes:
 
     channels: dict[tuple[int, int], Channel] = field(default_factory=dict)  # by (sender, receiver)
     lanes: dict = field(default_factory=dict)  # peer -> (lane to send on, lane to receive on)
-    # payloads travel between the learners' and the server's endpoints (else the channels serve
-    # a path's own data connections, and the endpoints carry headers and small orders)
+    # payloads travel between the endpoints (else channels serve a path's own connections)
     through_endpoints: bool = True
 
     @property
@@ -79,8 +75,7 @@ def open_routes(rank: int, group, pairs: list[tuple[int, int]], backend: str | N
 
 
 def _carrier(payload: Tensor | None, channel: Channel | None) -> Channel | None:
-    """``channel`` where it carries ``payload``'s kind of device (a host payload, e.g. a report
-    or saved optimizer state, goes over gloo where the channel is NCCL's)."""
+    """``channel`` where it carries ``payload``'s kind of device (host payloads go over gloo)."""
     if payload is None or channel is None or payload.device.type != channel.device.type:
         return None
     return channel
@@ -89,8 +84,7 @@ def _carrier(payload: Tensor | None, channel: Channel | None) -> Channel | None:
 def encode(message: Envelope, lane: Lane | None = None,
            closed: Callable[[], str | None] = lambda: None,
            channel: Channel | None = None) -> tuple[Tensor, Tensor | None]:
-    """The frame to send first (header, and the payload if it is small) and the payload to send after it (on
-    ``channel``, where there is one), or None."""
+    """The frame to send first (with a small payload inside) and the payload to send after it, or None."""
     payload = None if message.payload is None else message.payload.reshape(-1)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
     channel = _carrier(payload, channel)
@@ -112,8 +106,7 @@ def encode(message: Envelope, lane: Lane | None = None,
 
 
 def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Envelope, int, torch.dtype, int]:
-    """The message of a received frame, its payload's size and dtype, and where the payload is
-    (`SEPARATE`, `INLINE`: then it is set on the message, as a copy, or `IN_LANE`)."""
+    """`decode_header` of a received frame, an `INLINE` payload copied onto the message."""
     message, numel, dtype, where = decode_header(frame.numpy(), sender, max_numel)  # (read in place)
     if numel and where == INLINE:
         nbytes = numel * dtype.itemsize
@@ -136,8 +129,7 @@ def send(message: Envelope, dst: int, group, tags: tuple[int, int], lane: Lane |
 
 
 def receiver_name(side: str, peer: int) -> str:
-    """The name of a thread that sits in `recv` from ``peer``: `strategies.faults` looks for
-    such threads at a failed process's exit (`RECEIVER`)."""
+    """A thread in `recv` from ``peer``: `strategies.faults` looks for them at a failed exit."""
     return f"stale-{side}-recv-{peer}"
 
 
@@ -163,10 +155,9 @@ def join_threads(threads: list[threading.Thread], timeout: float) -> list[str]:
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
          buffer: Tensor | None = None, lane: Lane | None = None, lend: tuple[Kind, ...] = (),
          channel: Channel | None = None) -> Envelope:
-    """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop;
-    ``lane``: the sender's shared-memory lane to this process, if any; messages of the kinds in
-    ``lend`` keep their payload there (`Lane.lend`); ``channel``: the sender's channel to this
-    process, if any (its payloads come with ``Envelope.ready``)."""
+    """One message from ``src`` into ``buffer`` (reused by a receiving loop); a payload in the
+    sender's ``lane`` stays there for the kinds in ``lend`` (`Lane.lend`); one on ``channel``
+    comes with ``Envelope.ready``."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
     dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
     message, numel, dtype, where = decode(frame, sender, max_numel)

@@ -19,18 +19,11 @@ DATA, DATA_PAYLOAD = 31, 32  # tags: data between ranks (not the server's contro
 
 
 class DataMesh:
-    """Args:
-        group: the gloo group of server traffic.
-        rank, p: this rank and the number of ranks.
-        deliver: called with (sending rank, message) for every message received (from the
-            receiving threads, or at once for a message to oneself).
-        max_numel: the largest payload a peer may send.
-        broken: called with (peer, error) when receiving from or sending to a peer fails.
-        channels: this rank's device channels by (sender, receiver) (`channels`), if any: a
-            payload on a CUDA device then goes to its peer device to device.
-
-    Nothing moves before `start` (a peer's sends wait for this rank's receives).
-    """
+    """This rank's connections to the other ``p - 1`` on ``group`` (the server's gloo group):
+    ``deliver(sender, message)`` gets every message (a message to oneself at once),
+    ``broken(peer, error)`` every failure, a payload on a CUDA device goes on the device
+    ``channels`` where there are any. Nothing moves before `start` (a peer's sends wait for this
+    rank's receives)."""
 
     def __init__(self, group, rank: int, p: int, deliver: Callable[[int, ShardData], None],
                  max_numel: int, broken: Callable[[int, str], None],
