@@ -39,8 +39,7 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 @functools.cache  # once per process: every fit asks, and benchmarks ask before the first
 def hold_freed_memory() -> bool:
-    """Keep memory freed by this process for reuse from now on (see the module docstring);
-    whether the allocator took the setting (False off glibc)."""
+    """Keep memory freed by this process for reuse from now on; whether glibc took the setting."""
     mallopt = _mallopt()
     if mallopt is None:
         return False
