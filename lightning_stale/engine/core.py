@@ -157,16 +157,7 @@ class ServerCore:
             return Outcome(decision)
         if decision.accepted and decision.push is not None:
             self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
-        applied = self._apply(decision.update, clock) if decision.update is not None else None
-        self._pushes_this_epoch += 1
-        epoch_ended = 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
-        if epoch_ended:
-            self.end_epoch()
-        elif 0 <= self.limits.max_updates <= self.updates:
-            self.stop()
-        self._forget_unused_snapshots()
-        return Outcome(decision, decision.update, epoch_ended=epoch_ended, stopped=self.rules.stopped,
-                       **(applied or {}))
+        return self._decided(decision, clock, pushed=True)
 
     def holds(self, contribution: Contribution) -> bool:
         """Whether ``contribution`` waits among the accepted gradients for a later update."""
@@ -183,11 +174,7 @@ class ServerCore:
         decision = self.rules.remove_learner(learner)
         if self.observer is not None:
             self.observer.on_remove_learner(self, learner, clock)
-        applied = self._apply(decision.update, clock) if decision.update is not None else None
-        if 0 <= self.limits.max_updates <= self.updates:
-            self.stop()
-        self._forget_unused_snapshots()
-        return Outcome(decision, decision.update, stopped=self.rules.stopped, **(applied or {}))
+        return self._decided(decision, clock, pushed=False)
 
     def end_epoch(self) -> None:
         """An epoch ended; training stops if that was the last epoch or update."""
@@ -247,6 +234,18 @@ class ServerCore:
         self._snapshot_current()
 
     # ------------------------------------------------------------------ internals
+    def _decided(self, decision: Decision, clock: float, pushed: bool) -> Outcome:
+        """Apply the update ``decision`` completes, if any; end the epoch (on a push) or stop where due."""
+        applied = self._apply(decision.update, clock) if decision.update is not None else {}
+        self._pushes_this_epoch += pushed
+        epoch_ended = pushed and 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
+        if epoch_ended:
+            self.end_epoch()
+        elif 0 <= self.limits.max_updates <= self.updates:
+            self.stop()
+        self._forget_unused_snapshots()
+        return Outcome(decision, decision.update, epoch_ended=epoch_ended, stopped=self.rules.stopped, **applied)
+
     def _apply(self, update: Update, clock: float) -> dict:
         """Apply ``update`` (where the core holds the state), record it; the Outcome's fields."""
         pushed = [self._pending.pop(g.id) for g in update.gradients]
