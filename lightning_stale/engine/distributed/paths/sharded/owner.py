@@ -62,16 +62,18 @@ class ShardLayout:
             parts.append(presence[self.tensors[owner].start:self.tensors[owner].stop])
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # a view: the push is not reused
 
+    def _parts(self, slices: Sequence[Tensor]) -> list[Tensor]:
+        """The owners' slices cut into their parameters, then the buffers (at the end of owner 0's)."""
+        return [s[:z - a] for s, (a, z) in zip(slices, self.spans)] + [slices[0][self.spans[0][1] - self.spans[0][0]:]]
+
     def join(self, slices: Sequence[Tensor]) -> Tensor:
-        """The parameters-and-buffers vector of the owners' slices (owner 0's ends with the buffers)."""
-        params = [s[:z - a] for s, (a, z) in zip(slices, self.spans)]
-        return torch.cat(params + [slices[0][self.spans[0][1] - self.spans[0][0]:]])
+        """The parameters-and-buffers vector of the owners' slices."""
+        return torch.cat(self._parts(slices))
 
     def load(self, vectors: ModelVectors, slices: Sequence[Tensor]) -> None:
         """`join` then ``vectors.load_state``, with one copy instead of two."""
-        buffers = slices[0][self.spans[0][1] - self.spans[0][0]:]
-        parts = [s[:z - a] for s, (a, z) in zip(slices, self.spans)] + ([buffers] if vectors.buffers else [])
-        vectors.load_parts(parts)
+        parts = self._parts(slices)
+        vectors.load_parts(parts if vectors.buffers else parts[:-1])
 
 
 @dataclass(frozen=True)
