@@ -164,8 +164,7 @@ class ServerCore:
         return any(g.contribution is contribution for g in self._pending.values())
 
     def pushes_fit_in_epoch(self, pushes: int) -> bool:
-        """Whether the next ``pushes`` pushes will all be taken in this epoch, as far as known now
-        (training goes on, this push did not end it, and it has room: the last may end it)."""
+        """Whether the next ``pushes`` pushes will all be taken in this epoch, as far as known now."""
         per_epoch, done = self.limits.pushes_per_epoch, self._pushes_this_epoch
         return not self.rules.stopped and per_epoch > 0 and 0 < done and done + pushes <= per_epoch
 
@@ -186,8 +185,7 @@ class ServerCore:
             self.stop()
 
     def begin_epoch(self, clock: float, metrics: Mapping[str, float] | None = None) -> None:
-        """After an epoch's end the clock resumes and its schedulers step (after its validation, as
-        Lightning does: ``metrics``, for a ReduceLROnPlateau)."""
+        """After an epoch's end: the clock resumes, its schedulers step (``metrics``: for a plateau)."""
         self.resume(clock)
         if self.state is not None and self.epoch > 0:
             self.state.schedules.end_epoch(self.epoch - 1, metrics or {})
@@ -208,8 +206,7 @@ class ServerCore:
 
     # ------------------------------------------------------------------ results
     def stats(self) -> dict:
-        """The rules' counters (`ServerRules.accounting_ok`), epochs, samples, the mean running
-        time per update and, with AdaSync, the history of K."""
+        """The rules' counters, epochs, samples, mean running time per update, AdaSync's Ks."""
         stats = self.rules.stats()
         updates = stats["updates"]
         stats["mean_update_interval_s"] = self._last_update_s / updates if updates else math.nan

@@ -29,8 +29,7 @@ class UpdateRecord:
 
 @runtime_checkable
 class UpdateRecordSource(Protocol):
-    """What a strategy offers the callbacks (`WallClockLogger`): its server's update records
-    since the last call (on global rank 0), and whether their clock is virtual."""
+    """What a strategy offers the callbacks: rank 0's update records, and if their clock is virtual."""
 
     virtual_clock: bool
 

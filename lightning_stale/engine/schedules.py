@@ -41,8 +41,7 @@ class Schedules:
         self.learner_optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's schedulers check it
 
     def sync_options(self) -> None:
-        """The learner optimizer's group options (what its schedulers, or the user, set) into the
-        stepped optimizer."""
+        """The learner optimizer's group options into the stepped optimizer."""
         if self.stepped is self.learner_optimizer:
             return
         for mine, theirs in zip(self.stepped.param_groups, self.learner_optimizer.param_groups):

@@ -60,8 +60,7 @@ class SimulatedServer:
         return outcome
 
     def end_epoch(self, metrics=None) -> None:
-        """An epoch ended and its validation ran: a pause, not a restart (the virtual clock does not
-        run while Lightning validates; work in flight carries on)."""
+        """An epoch ended and its validation ran: a pause, not a restart of the virtual clock."""
         self.core.end_epoch()
         self.core.begin_epoch(self.cluster.now, metrics)
 

@@ -105,8 +105,7 @@ class ModelVectors:
 
     def push_vector(self, mask: bool = False, device: torch.device | None = None,
                     out: Tensor | Callable[[int], Tensor | None] | None = None) -> tuple[Tensor, bool]:
-        """Gradients (zeros where missing), buffers and, where one is missing (or ``mask``), a presence
-        mask; and whether the mask is there."""
+        """Gradients (zeros where missing), buffers and a presence mask where needed; its presence."""
         device = torch.device("cpu") if device is None else device
         grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
                  for p in self.params]
@@ -228,8 +227,7 @@ class ServerState:
 
     def apply(self, contributions: Sequence[Contribution], weights: Sequence[float] | None = None,
               update_index: int = 0) -> None:
-        """Average the gradients (weighted; a missing one counts as zero), step the optimizer,
-        combine the buffers, step the schedulers due after update ``update_index``."""
+        """Average the gradients (weighted; a missing one: zero), step optimizer and schedulers, combine buffers."""
         k = len(contributions)
         scales = [1.0 / k] * k if weights is None else [float(w) / k for w in weights]
         if scales == [1.0]:  # one gradient as it is (K = 1): no copy, the parameters' grads view it
@@ -267,8 +265,7 @@ class ServerState:
             torch.device(device or "cpu") in self._snapshot[1]
 
     def snapshot(self, version: int, device: torch.device | None = None) -> Tensor:
-        """The parameters and buffers of ``version`` (the current one) on ``device`` (default CPU),
-        made once per version and device."""
+        """The parameters and buffers of ``version`` on ``device`` (CPU), once per version and device."""
         device = torch.device(device or "cpu")
         if self._snapshot is None or self._snapshot[0] != version:
             self._snapshot = (version, {})
@@ -313,8 +310,7 @@ def _joined(parts: Sequence[Tensor], device: torch.device, out: Tensor | None = 
 
 
 def named_state(module: nn.Module, vector: Tensor, buffers: bool = True) -> dict[str, Tensor]:
-    """A parameters-and-buffers vector of ``module`` by the names of ``module.state_dict`` (frozen
-    parameters are not in it)."""
+    """A parameters-and-buffers vector of ``module`` by the names of ``module.state_dict``."""
     layout = ModelVectors.of(module, buffers)
     tensors = layout.params + layout.buffers
     parts = torch.split(vector, [t.numel() for t in tensors])

@@ -83,8 +83,7 @@ def running_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
 
 
 def mark(tensor: Tensor | None) -> torch.cuda.Event | None:
-    """An event after the work queued so far on the current stream, for a CUDA tensor another
-    thread uses next (its ``Message.ready``)."""
+    """An event after the current stream's work, for a CUDA tensor another thread uses next."""
     if tensor is None or not tensor.is_cuda:
         return None
     with torch.cuda.device(tensor.device):

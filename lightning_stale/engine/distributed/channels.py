@@ -21,8 +21,7 @@ from lightning_stale.engine import streams
 
 
 class Channel:
-    """One direction between two ranks on ``group`` (this rank holds one end); received payloads
-    are put on ``device``."""
+    """One direction between two ranks on ``group`` (this rank holds one end)."""
 
     def __init__(self, group, src: int, dst: int, device: torch.device) -> None:
         self.group, self.src, self.dst, self.device = group, src, dst, device
@@ -71,8 +70,7 @@ def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, dev
 
 
 def _options(backend: str, timeout: datetime.timedelta):
-    """A NCCL group's options: the most urgent stream priority (see the module docstring), and
-    the group's timeout (``new_group`` warns where the options hold another)."""
+    """A NCCL group's options: the most urgent stream priority, its timeout (else new_group warns)."""
     if backend != "nccl":
         return None
     options = dist.ProcessGroupNCCL.Options()

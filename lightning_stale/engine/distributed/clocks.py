@@ -49,8 +49,7 @@ class MiniBatchClock:
         self._pushed_at = time.monotonic()
 
     def message(self, message: Message) -> None:
-        """A server message arrived: a round trip if it first answers our latest push, and the
-        instant of its server event on this clock."""
+        """A server message arrived: maybe a round trip, and the instant of its server event here."""
         if message.pushes == self._pushes > self._timed_pushes:
             self.latency.observe(message.received_at - self._pushed_at - message.hold)
             self._timed_pushes = self._pushes

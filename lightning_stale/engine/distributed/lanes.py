@@ -161,8 +161,7 @@ def slot_bytes_for(numel: int, dtype: torch.dtype) -> int:
 
 
 class LaneFile:
-    """One learner's two lanes (up: to the server, down: from it) in one file, which the learner
-    `create`s and the server `open`s after checking its token."""
+    """One learner's two lanes (up, down) in one file: the learner `create`s, the server `open`s."""
 
     def __init__(self, path: str, storage: Tensor, slot_bytes: int) -> None:
         self.path, self.storage, self.slot_bytes = path, storage, slot_bytes

@@ -211,8 +211,7 @@ class Learner:
         return self.stopped or self.server_epochs > local_epoch
 
     def step(self, loss: float, samples: int, started_at: float, unusable: str | None = None) -> None:
-        """After backward: delay, push and wait for the answer, unless the server says otherwise
-        first (``started_at``: the mini-batch's start; ``unusable``: e.g. "overflow")."""
+        """After backward: delay, push and wait for the answer, unless the server says otherwise first."""
         started_by_server = True
         self.last_x = math.nan
         try:

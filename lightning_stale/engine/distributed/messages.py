@@ -96,8 +96,7 @@ class Flag(IntEnum):
 
 @dataclass
 class Envelope:
-    """What every conversation's message has: its kind, a flat tensor payload or None, and what
-    the receiving side notes."""
+    """What every conversation's message has: its kind, a payload, what the receiver notes."""
 
     kind: Kind
     _: KW_ONLY
@@ -176,8 +175,7 @@ def encode_header(message: Envelope, payload: Tensor | None, inline: int) -> byt
 
 
 def decode_header(data, sender: str, max_numel: int) -> tuple[Envelope, int, torch.dtype, int]:
-    """The message of a header at the start of ``data`` (any buffer, read in place), its payload's
-    size and dtype, and where the payload travels."""
+    """The message of a header at the start of ``data``, its payload's numel, dtype and route."""
     if len(data) < HEADER_BYTES:
         raise TransportError(f"{sender} sent a frame of {len(data)} bytes, shorter than a header "
                              f"({HEADER_BYTES} bytes)")

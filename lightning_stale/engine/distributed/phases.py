@@ -54,8 +54,7 @@ def advance(current: Phase, to: Phase) -> Phase:
 
 @dataclass
 class Carried:
-    """A mini-batch in flight at an epoch's end: its push (None: pushed, awaiting the answer), its
-    drawn delay (None: not yet) and how long it waited."""
+    """A mini-batch in flight at an epoch's end: its push (None: pushed), delay, time waited."""
 
     push: Message | None
     delay: float | None = None

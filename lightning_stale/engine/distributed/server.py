@@ -91,8 +91,7 @@ class ParameterServer:
 
     @contextlib.contextmanager
     def reading(self):
-        """Hold the core still for a reader on another thread (a checkpoint): the lock and, on a GPU,
-        `engine.streams.reading`. A tensor the reader keeps must be copied inside."""
+        """Hold the core still for a reader on another thread (a checkpoint copies inside)."""
         with self.lock, streams.reading(self.stream):
             yield
 

@@ -100,8 +100,7 @@ class ServerEndpoint:
         return None if place is None else place.view(dtype)
 
     def heartbeat(self, interval: float) -> None:
-        """Tell every remote learner that heard nothing for ``interval`` seconds that the server
-        is alive (learners end the run when it stays silent)."""
+        """Tell every remote learner that heard nothing for ``interval`` s that the server lives."""
         now = time.monotonic()
         for learner in self._outboxes:
             if now - self._last_sent[learner] >= interval:
@@ -262,8 +261,7 @@ class LearnerEndpoint:
             self.inbox.put(Message(Kind.FAILED, error=self.connection_broke(exc)))
 
     def connection_broke(self, exc: BaseException) -> str:
-        """The connection to the server failed with ``exc`` (whichever side noticed first): this
-        learner's failure from now on, which this returns."""
+        """The connection to the server failed with ``exc``: this learner's failure from now on."""
         if self.failure is None:
             self.failure = (f"learner {self.rank}: the connection to the server (rank 0) broke, its "
                             f"process is gone or unreachable: {exc}")

@@ -101,8 +101,7 @@ class LearnerSide(ABC):
 
 
 class ServerSide(ABC):
-    """What the server's messages carry on one path (the server thread calls these); hooks with
-    a body do nothing."""
+    """What the server's messages carry on one path (hooks with a body do nothing)."""
 
     @abstractmethod
     def contribution(self, message: Message) -> Any:
@@ -158,8 +157,7 @@ class CheckpointPart:
         return not self.view.finished()
 
     def read(self) -> tuple[dict, dict, dict] | None:
-        """The server's named parameters and buffers, optimizer state and books (what of them
-        differs from `ParameterServer.state_dict`), copied at one instant; None: nothing."""
+        """The server's named state, optimizer state and books at one instant, copied; None: nothing."""
         return None
 
     def _instant(self) -> tuple[dict, dict, dict] | None:
@@ -240,8 +238,7 @@ class ServerPath(ABC):
 
     @abstractmethod
     def traffic(self, numel: int, p: int, k: int) -> float:
-        """Values the busiest rank sends and receives per update, for N = ``numel`` values, P
-        learners and K gradients per update (times the element size: bytes)."""
+        """Values the busiest rank moves per update, for N = ``numel``, P learners, K gradients."""
 
     @abstractmethod
     def channel_pairs(self, p: int) -> list[tuple[int, int]]:
@@ -252,8 +249,7 @@ class ServerPath(ABC):
         """This rank's part of the path (`RankParts`); collective where the path needs it."""
 
     def overlaps(self, variant: Variant, adaptive: AdaptiveK | None) -> bool:
-        """Whether the learners can reduce their gradients during backward (every update taking
-        one gradient from every learner)."""
+        """Whether the learners can reduce their gradients during backward."""
         return False
 
     def checkpoint(self, view: CheckpointView) -> CheckpointPart:

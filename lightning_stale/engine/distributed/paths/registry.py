@@ -71,8 +71,7 @@ def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
 
 
 def central_if_memory_is_shared(variant: Variant, numel: int, nodes: int, cpu_cores: int | None) -> bool:
-    """Whether ``"auto"`` runs this model central where every remote learner shares memory with
-    rank 0 (`lanes`): the sync family, CPU learners on one host (``cpu_cores``: None on GPUs)."""
+    """Whether ``"auto"`` runs this model central where every remote learner shares memory."""
     if not variant.synchronous or nodes != 1 or cpu_cores is None or variant.p == 1:
         return False
     limit = CROWDED_HOST_COLLECTIVE_MIN_NUMEL if variant.p > cpu_cores else ONE_HOST_COLLECTIVE_MIN_NUMEL
@@ -104,8 +103,7 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
 def settle_path(path: str, variant: Variant, module: nn.Module, group, rank: int, on_learner_failure: str,
                 compensation: StalenessCompensation | None, clips: bool = False, nodes: int = 1,
                 shared_memory: bool = True, cpu: bool = True) -> tuple[str, dict | None]:
-    """`choose_path`, the same on every rank, and the central path's lanes where they were opened
-    to decide it, for `build_rank` (collective over ``group`` then)."""
+    """`choose_path`, the same on every rank, and the lanes opened to decide it (collective)."""
     vectors = ModelVectors.of(module)
     cores = (os.cpu_count() or 1) if cpu else None  # the host's: the same on every rank of it
     lanes = None

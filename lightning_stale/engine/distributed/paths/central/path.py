@@ -28,8 +28,7 @@ from lightning_stale.method.rules import Decision
 
 
 class CentralExchange(LearnerSide):
-    """How a learner meets a server that holds the parameters: a push carries the gradient (and the learner's
-    buffers), new parameters arrive as a vector."""
+    """A learner meets a server holding the parameters: gradients go, parameters come."""
 
     def __init__(self, vectors: ModelVectors,
                  buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
@@ -37,8 +36,7 @@ class CentralExchange(LearnerSide):
         self.vectors, self.buffer, self.device = vectors, buffer, device
 
     def fill_push(self, message: Message) -> None:
-        """The gradient, taken when the mini-batch's computation ends; packed straight into
-        shared memory where ``buffer`` (`LearnerEndpoint.push_buffer`) offers a place."""
+        """The gradient, packed straight into shared memory where ``buffer`` offers a place."""
         buffer, dtype = self.buffer, self.vectors.dtype
         place = None if buffer is None else (lambda numel: buffer(numel, dtype))
         message.payload, masked = self.vectors.push_vector(device=self.device, out=place)
@@ -55,8 +53,7 @@ class CentralExchange(LearnerSide):
 
 
 class CentralPayloads(ServerSide):
-    """What travels when the server holds the parameters: a push carries the gradient (split by ``vectors``), and
-    every message that refreshes, pauses or stops a learner carries the server's parameters and buffers."""
+    """Pushes carry gradients; refreshes, epoch ends and stops the server's parameters."""
 
     def __init__(self, vectors: ModelVectors,
                  place_for: Callable[[int, int, torch.dtype], torch.Tensor | None] | None = None,

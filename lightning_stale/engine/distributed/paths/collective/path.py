@@ -112,8 +112,7 @@ class CollectiveExchange(LearnerSide):
         self._carried, message.payload = message.payload, None  # only the header travels
 
     def after_push(self, message: Message) -> None:
-        """The gradient, packed now (or when carried), kept until an update takes it (an unusable
-        push has none: the server drops it)."""
+        """The gradient, packed now (or when carried), kept until an update takes it."""
         carried, self._carried = self._carried, None
         if message.flags & Flag.UNUSABLE:
             return
@@ -205,8 +204,7 @@ class CollectiveExchange(LearnerSide):
                                "does not take the overlapped round of every learner")
 
     def _largest_integers(self, taken: list[Tensor], own: Tensor | None = None) -> list[Tensor]:
-        """Integer buffers (BatchNorm's count) take the largest pushed value (``own``: this learner's,
-        where its gradient went round during backward)."""
+        """Integer buffers (BatchNorm's count) take the largest pushed value."""
         if not self._integers:
             return []
         sizes = [z - a for a, z in self._integers]

@@ -35,8 +35,7 @@ class DataMesh:
         self._threads = peer_threads("mesh", self._outboxes, self._send_loop, self._receive_loop)
 
     def payload_device(self, device: torch.device) -> torch.device | None:
-        """Where a payload for the peers is made: on ``device`` (the module's) where it goes
-        device to device on the channels, else None (host memory)."""
+        """Where a payload for the peers is made: the device where channels carry it, else host."""
         return device if self.channels else None
 
     @property

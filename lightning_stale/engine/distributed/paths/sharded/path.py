@@ -165,8 +165,7 @@ class ShardedPayloads(ServerSide):
 
     def gathered(self, request: int, check: Callable[[], None],
                  keep: bool = False) -> tuple[list[Tensor], list[dict], int]:
-        """Every owner's state vector, saved optimizer and scheduler states for ``request``, and
-        their version (``keep``: leave them for another reader)."""
+        """Every owner's state vector and saved states for ``request``, and their version."""
         with self._gathered_ready:
             while len(self._gathered.get(request, ())) < 2 * self.p:
                 self._gathered_ready.wait(WAIT_S)
