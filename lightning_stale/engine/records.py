@@ -1,8 +1,5 @@
-"""What an engine reports about each server update, for loggers and plots.
-
-The server core (`engine.core`) keeps a queue of `UpdateRecord`s that `WallClockLogger` drains
-through ``strategy.pop_update_records()`` (the `UpdateRecordSource` contract).
-"""
+"""What an engine reports about each server update: the core's `UpdateRecord`s, which
+`WallClockLogger` drains through ``strategy.pop_update_records()`` (`UpdateRecordSource`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Lightning's LR scheduler configs, stepped by whoever applies the updates (the server, or every
-learner where an all-reduce combines the gradients) instead of by Lightning's loop; intervals
-count server updates (``"step"``), epochs after validation (``"epoch"``), and a
-``ReduceLROnPlateau`` reads its ``monitor`` among the logged metrics. With local updates a server
-update counts as H steps, as ``trainer.global_step`` does (docs/how-to/local-updates.md).
-"""
+"""Lightning's LR scheduler configs, stepped by whoever applies the updates instead of by
+Lightning's loop: ``"step"`` intervals count server updates (H steps each with local updates, as
+``trainer.global_step``: docs/how-to/local-updates.md), ``"epoch"`` ones epochs after validation;
+a ``ReduceLROnPlateau`` reads its ``monitor`` among the logged metrics."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""CUDA streams of the engine's own threads, and the hand-offs between them and the training thread.
-
-On the default stream an engine thread's copy would queue behind a collective the training thread
-entered, while the other ranks wait for that copy: a deadlock across ranks. So the engine's
-threads use streams of their own, from a priority level no NCCL group uses (`ENGINE_PRIORITY`,
-`separate_levels`), and hand tensors over with events (PyTorch docs, "CUDA semantics", "CUDA
-streams"; pools of 32 streams per level, c10/cuda/CUDAStream.cpp). On the CPU nothing here acts.
+"""CUDA streams of the engine's own threads, and their hand-offs with the training thread. On the
+default stream an engine thread's copy would queue behind a collective the training thread
+entered, while the other ranks wait for that copy: a deadlock across ranks. So engine threads use
+streams of their own, from a priority level no NCCL group uses, and hand tensors over with events
+(PyTorch docs, "CUDA semantics", "CUDA streams"; c10/cuda/CUDAStream.cpp). The CPU is untouched.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Payloads straight from device to device: a point-to-point group for every direction between
-two ranks, on the default group's backend (NCCL on GPUs; gloo on the CPU, where the tests run).
-
-Headers still travel over gloo (`transport`); a large payload follows on the channel. One group
-per direction, not per pair: NCCL runs one communicator's point-to-point operations in order on
-one stream, so two ranks sending first would wait for each other. The channels' groups take the
-most urgent stream priority, which nothing else uses (`engine.streams`, docs/how-to/gpus.md).
+"""Payloads straight from device to device: a point-to-point group per direction between two
+ranks, on the default group's backend (NCCL on GPUs; gloo on the CPU), a large payload following
+its header (over gloo) on it. Per direction, not per pair: NCCL runs one communicator's
+point-to-point operations in order on one stream, so two ranks sending first would wait for each
+other. The groups take the most urgent stream priority, which nothing else uses (docs/how-to/gpus.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Large payloads between the server and a learner on the same host, through shared memory.
-
-A lane is a file in ``/dev/shm`` mapped by both processes (unlinked once mapped): the sender copies
-a payload into a free slot and sends only the header over gloo (``inline`` = `messages.IN_LANE`),
-sparing loopback TCP's copies (docs/benchmarks/path_breakdown.md). Each lane has one writing and
-one reading thread and `SLOTS` slots used in turn: slot n % SLOTS is free once message n - SLOTS
-was read, copied out, or used in place (`LentPayload`). A learner without a file talks over gloo.
-"""
+"""Large payloads between the server and a learner on its host, through shared memory: a file in
+``/dev/shm`` mapped by both (unlinked once mapped); the sender copies a payload into a free slot
+and sends only the header over gloo, sparing loopback TCP's copies (docs/benchmarks/path_breakdown.md).
+A lane has one writer, one reader and `SLOTS` slots in turn: slot n % SLOTS is free once message
+n - SLOTS was read, copied out or used in place (`LentPayload`)."""
 
 from __future__ import annotations
 
