@@ -71,11 +71,17 @@ class ModelVectors:
     # ------------------------------------------------------------------ learner side
     def state_vector(self, out: Tensor | None = None, device: torch.device | None = None) -> Tensor:
         """Parameters then buffers, one vector on ``device`` (default CPU), into ``out`` if given."""
-        return self._flatten(self.params + self.buffers, out, device)
+        device = torch.device("cpu") if device is None else device
+        parts = [t.detach().reshape(-1).to(dtype=self.dtype) for t in self.params + self.buffers]
+        if not parts:
+            return out if out is not None else torch.zeros(0, dtype=self.dtype, device=device)
+        return _joined(parts, device if out is None else out.device, out)
 
     def load_state(self, flat: Tensor) -> None:
         """Load a `state_vector` into the module's parameters and buffers."""
-        self._load(self._split(flat, self._param_sizes + self._buffer_sizes, self.state_numel))
+        if flat.numel() != self.state_numel:
+            raise ValueError(f"flat vector has {flat.numel()} values, the module has {self.state_numel}")
+        self._load(torch.split(flat, self._param_sizes + self._buffer_sizes))
 
     def load_parts(self, chunks: Sequence[Tensor]) -> None:
         """`load_state` of the concatenation of ``chunks``, without concatenating them."""
@@ -130,20 +136,6 @@ class ModelVectors:
         buffers = flat[self.numel:self.state_numel] if self.buffers else None
         present = flat[self.state_numel:].bool() if masked else None
         return Contribution(gradient, buffers, present)
-
-    def _flatten(self, tensors: Sequence[Tensor], out: Tensor | None = None,
-                 device: torch.device | None = None) -> Tensor:
-        device = torch.device("cpu") if device is None else device
-        parts = [t.detach().reshape(-1).to(dtype=self.dtype) for t in tensors]
-        if not parts:
-            return out if out is not None else torch.zeros(0, dtype=self.dtype, device=device)
-        return _joined(parts, device if out is None else out.device, out)
-
-    @staticmethod
-    def _split(flat: Tensor, sizes: list[int], total: int) -> list[Tensor]:
-        if flat.numel() != total:
-            raise ValueError(f"flat vector has {flat.numel()} values, the module has {total}")
-        return list(torch.split(flat, sizes))
 
 
 def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor], only_mapped: bool = False) -> Optimizer:
