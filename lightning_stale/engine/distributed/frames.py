@@ -30,6 +30,7 @@ from lightning_stale.engine.distributed.messages import (
     TransportError,
     decode_header,
     encode_header,
+    payload_text,
 )
 from lightning_stale.engine.state import ModelVectors
 
@@ -177,5 +178,7 @@ def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
     elif numel and where == SEPARATE:
         message.payload = torch.empty(numel, dtype=dtype)
         dist.recv(message.payload, src=src, group=group, tag=tags[1])
+    if message.kind in (Kind.ABORT, Kind.INTERRUPT):  # the reason travels as the payload
+        message.error = payload_text(message.payload)
     message.received_at = time.monotonic()
     return message

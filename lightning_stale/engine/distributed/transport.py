@@ -25,7 +25,6 @@ from lightning_stale.engine.distributed.messages import (
     ShardData,
     TransportError,
     coalesce,
-    payload_text,
 )
 
 __all__ = ["INLINE_PAYLOAD_BYTES", "LearnerEndpoint", "ServerEndpoint"]
@@ -143,8 +142,6 @@ class ServerEndpoint:
                 if not isinstance(message, Message):
                     raise TransportError(f"learner {learner} sent a {message.kind.name}, not a message to the server")
                 message.learner = learner
-                if message.kind in (Kind.ABORT, Kind.INTERRUPT):
-                    message.error = payload_text(message.payload)
                 self._received(message)
                 if message.kind in (Kind.BYE, Kind.ABORT):
                     return
@@ -248,10 +245,9 @@ class LearnerEndpoint:
                     raise TransportError(f"the server sent a {message.kind.name}, which only shard owners send")
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
-                    message.error = self.failure = payload_text(message.payload)
-                    self.server_aborted = True
+                    self.failure, self.server_aborted = message.error, True
                 elif message.kind == Kind.INTERRUPT:
-                    message.error = self.interrupted = payload_text(message.payload)
+                    self.interrupted = message.error
                 to = self.owner if message.kind in OWNER_KINDS else self.inbox
                 assert to is not None, "orders come only to a rank with a shard owner"
                 to.put(message)
