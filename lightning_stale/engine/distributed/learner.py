@@ -25,9 +25,8 @@ from lightning_stale.engine.state import ModelVectors
 
 
 class Learner:
-    """One rank's learner: ``exchange`` is the path's learner side, ``delay`` a straggler model or
-    None; ``roll_call`` (``on_learner_failure="continue"``): report at every epoch's end and
-    validate once the server has heard every learner alive."""
+    """One rank's learner (``exchange``: its path's side; ``roll_call``: report at every epoch's end
+    and validate once the server has heard every learner alive)."""
 
     def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
                  exchange: LearnerSide, waits_for_answer: bool = True, delay_is_total: bool = False,
@@ -304,10 +303,9 @@ class Learner:
 
     # ------------------------------------------------------------------ epochs
     def confirm_epoch_end(self, timeout: float) -> None:
-        """Paused at an epoch's end, wait for the answer to the roll call: every learner alive has
-        reported, the dead are counted, before Lightning's collectives (which a death noticed later
-        would fail). A STOP ends the wait; a frozen learner holds it up: after ``timeout`` (the
-        bound of those collectives) `TimeoutError`."""
+        """Paused at an epoch's end, wait for the roll call's answer (the dead counted) before
+        Lightning's collectives, which a death noticed later would fail; a STOP ends the wait, a
+        frozen learner holding it up past ``timeout`` (those collectives' bound) `TimeoutError`."""
         epoch, deadline = self._reported, time.monotonic() + timeout
         while epoch is not None and self._roll_answered < epoch and not self._stop_waits():
             remaining = deadline - time.monotonic()

@@ -98,10 +98,9 @@ class CentralPath(ServerPath):
         return None
 
     def traffic(self, numel: int, p: int, k: int) -> float:
-        """Rank 0 receives a gradient (N values) from each of the K pushes of an update and sends
-        parameters (N values) back; one push in P is its own learner's, which crosses no link:
-        2N K (P - 1) / P values, so 2N(P - 1) per P gradients, P times a ring all-reduce's
-        share (Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms", 2009)."""
+        """Rank 0 gets N values from each of K pushes and sends N back, one push in P crossing no link:
+        2N K (P - 1) / P, P times a ring all-reduce's share per P gradients (Patarasuk and Yuan,
+        "Bandwidth optimal all-reduce algorithms", 2009)."""
         return 2 * numel * k * (p - 1) / p
 
     def channel_pairs(self, p: int) -> list[tuple[int, int]]:
