@@ -99,16 +99,16 @@ class ParameterServer:
                      ) -> tuple[dict, TraceRecorder]:
         """The final counters and the trace of the delays the learners drew (``unannounced``: rank,
         delays and cancelled work of a learner that said no goodbye: rank 0's, after a failure)."""
-        reports = {r: (m.payload, m.cancelled) for r, m in self.learner_reports.items()}
+        reports = {r: ([] if m.payload is None else m.payload.tolist(), m.cancelled)
+                   for r, m in self.learner_reports.items()}
         if unannounced is not None and unannounced[0] not in reports:
             rank, delays, cancelled = unannounced
-            reports[rank] = (torch.tensor(delays, dtype=torch.float64) if delays else None, cancelled)
+            reports[rank] = ([float(d) for d in delays], cancelled)
         stats = self.core.stats()
         stats["computations_cancelled"] = sum(cancelled for _, cancelled in reports.values())
         recorder = TraceRecorder()
         for learner in sorted(reports):
-            payload = reports[learner][0]
-            for value in ([] if payload is None else payload.tolist()):
+            for value in reports[learner][0]:
                 recorder.record(learner, value)
         return stats, recorder
 
