@@ -1,13 +1,8 @@
-"""The one parameter server of every engine: the rules decide, the state applies, the core keeps
-the books (docs/concepts/server.md).
-
-`ServerCore` takes one event per push, asks `ServerRules` what it means, applies updates to a
-`ServerState` (docs/method.md's rule, Dutta et al., AISTATS 2018, with staleness-compensation
-weights), records them, ends epochs (a pause, not a restart: `running_time` excludes it) and
-stops. The virtual clock and the real server are this core plus a clock or a transport, so they
-cannot disagree about the method. Without a state the caller applies ``Outcome.update``; an
-observer (`CoreObserver`) hears every event (docs/replay.md).
-"""
+"""The one parameter server of every engine (docs/concepts/server.md): `ServerRules` decide, a
+`ServerState` applies (docs/method.md's rule, Dutta et al., AISTATS 2018, with staleness-
+compensation weights), `ServerCore` keeps the books, ends epochs (a pause: `running_time` excludes
+it) and stops. The virtual clock and the real server are this core plus a clock or a transport,
+so they cannot disagree about the method; an observer (`CoreObserver`) hears every event."""
 
 from __future__ import annotations
 
@@ -27,23 +22,20 @@ from lightning_stale.method.variants import Variant
 
 
 class CoreObserver(Protocol):
-    """What an observer of a `ServerCore` implements (``observer=``; `replay.EventRecorder` is
-    one): the core calls these as things happen, after its books record them."""
+    """An observer of a `ServerCore` (`replay.EventRecorder`), told after the books record."""
 
     def on_push(self, core: ServerCore, decision: Decision, clock: float, loss: float) -> None:
         """A push was decided (accepted, dropped or unusable)."""
 
     def on_update(self, core: ServerCore, update: Update, order: tuple[int, ...],
                   weights: tuple[float, ...] | None, lrs: tuple[float, ...] | None) -> None:
-        """An update was applied: its gradients' ids in the order summed, their weights, and the
-        learning rates of the step (None where the core holds no state)."""
+        """An update was applied: its gradients' ids in the order summed, weights, the step's LRs."""
 
     def on_epoch_end(self, core: ServerCore) -> None:
         """An epoch ended."""
 
     def on_validation(self, core: ServerCore, metrics: Mapping[str, float]) -> None:
-        """Training goes on after an epoch's end, whose validation logged ``metrics`` (what the
-        epoch-interval schedulers were just stepped with)."""
+        """Training goes on after an epoch's end whose validation logged ``metrics``."""
 
     def on_remove_learner(self, core: ServerCore, learner: int, clock: float) -> None:
         """A dead learner was removed."""
@@ -63,8 +55,7 @@ class ServerLimits:
 
 @dataclass
 class PushedGradient:
-    """An accepted gradient waiting for its update: what the server applies (None where the
-    engine keeps gradients elsewhere), its mini-batch's loss and size."""
+    """An accepted gradient waiting for its update (None where it is kept elsewhere)."""
 
     contribution: Contribution | None
     loss: float
@@ -73,8 +64,7 @@ class PushedGradient:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one event led to: the rules' decision, the update applied (if any), whether it ended
-    an epoch or training (``stopped``: this event did)."""
+    """What one event led to: the decision, the update applied, whether it ended an epoch or training."""
 
     decision: Decision
     update: Update | None = None
@@ -158,51 +148,32 @@ class ServerCore:
     def push(self, learner: int, version: int, clock: float, *,
              contribution: Contribution | None = None, loss: float = math.nan, samples: int = 0,
              unusable: str | None = None) -> Outcome:
-        """Learner ``learner`` pushed a gradient computed at parameters of ``version``;
-        ``unusable`` names why the push carries no usable gradient (e.g. "overflow")."""
-        if self.rules.stopped:  # arrived after the stop: counted as in flight, nothing else
-            decision = self.rules.on_push(learner, version)
-            if self.observer is not None:
-                self.observer.on_push(self, decision, clock, loss)
-            return Outcome(decision)
-        decision = self.rules.on_push(learner, version, unusable)
+        """A push computed at ``version``; ``unusable`` names why it has no usable gradient."""
+        stopped = self.rules.stopped  # arrived after the stop: counted as in flight, nothing else
+        decision = self.rules.on_push(learner, version, None if stopped else unusable)
         if self.observer is not None:
             self.observer.on_push(self, decision, clock, loss)
+        if stopped:
+            return Outcome(decision)
         if decision.accepted and decision.push is not None:
             self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
-        applied = self._apply(decision.update, clock) if decision.update is not None else None
-        self._pushes_this_epoch += 1
-        epoch_ended = 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
-        if epoch_ended:
-            self.end_epoch()
-        elif 0 <= self.limits.max_updates <= self.updates:
-            self.stop()
-        self._forget_unused_snapshots()
-        return Outcome(decision, decision.update, epoch_ended=epoch_ended, stopped=self.rules.stopped,
-                       **(applied or {}))
+        return self._decided(decision, clock, pushed=True)
 
     def holds(self, contribution: Contribution) -> bool:
         """Whether ``contribution`` waits among the accepted gradients for a later update."""
         return any(g.contribution is contribution for g in self._pending.values())
 
     def pushes_fit_in_epoch(self, pushes: int) -> bool:
-        """Whether the next ``pushes`` pushes will all be taken in this epoch, as far as is known
-        now: training goes on (no stop), this push did not end the epoch, and the epoch has room
-        for them (the last of them may end it)."""
+        """Whether the next ``pushes`` pushes will all be taken in this epoch, as far as known now."""
         per_epoch, done = self.limits.pushes_per_epoch, self._pushes_this_epoch
         return not self.rules.stopped and per_epoch > 0 and 0 < done and done + pushes <= per_epoch
 
     def remove_learner(self, learner: int, clock: float) -> Outcome:
-        """Learner ``learner`` died: K is clamped to the learners left, which may complete an
-        update now (see `ServerRules.remove_learner`)."""
+        """Learner ``learner`` died (`ServerRules.remove_learner`: may complete an update now)."""
         decision = self.rules.remove_learner(learner)
         if self.observer is not None:
             self.observer.on_remove_learner(self, learner, clock)
-        applied = self._apply(decision.update, clock) if decision.update is not None else None
-        if 0 <= self.limits.max_updates <= self.updates:
-            self.stop()
-        self._forget_unused_snapshots()
-        return Outcome(decision, decision.update, stopped=self.rules.stopped, **(applied or {}))
+        return self._decided(decision, clock, pushed=False)
 
     def end_epoch(self) -> None:
         """An epoch ended; training stops if that was the last epoch or update."""
@@ -214,9 +185,7 @@ class ServerCore:
             self.stop()
 
     def begin_epoch(self, clock: float, metrics: Mapping[str, float] | None = None) -> None:
-        """Training goes on after an epoch's end: the clock resumes, and the epoch-interval
-        schedulers of the epoch that ended are stepped (after its validation, as Lightning
-        does: ``metrics`` are the logged values a ReduceLROnPlateau may monitor)."""
+        """After an epoch's end: the clock resumes, its schedulers step (``metrics``: for a plateau)."""
         self.resume(clock)
         if self.state is not None and self.epoch > 0:
             self.state.schedules.end_epoch(self.epoch - 1, metrics or {})
@@ -237,9 +206,7 @@ class ServerCore:
 
     # ------------------------------------------------------------------ results
     def stats(self) -> dict:
-        """The rules' counters, the epochs, the mean running time per update (pauses excluded)
-        and, with AdaSync, the history of K. Every push is in exactly one of applied, dropped,
-        pending or in flight at stop (`ServerRules.accounting_ok`)."""
+        """The rules' counters, epochs, samples, mean running time per update, AdaSync's Ks."""
         stats = self.rules.stats()
         updates = stats["updates"]
         stats["mean_update_interval_s"] = self._last_update_s / updates if updates else math.nan
@@ -264,9 +231,20 @@ class ServerCore:
         self._snapshot_current()
 
     # ------------------------------------------------------------------ internals
+    def _decided(self, decision: Decision, clock: float, pushed: bool) -> Outcome:
+        """Apply the update ``decision`` completes, if any; end the epoch (on a push) or stop where due."""
+        applied = self._apply(decision.update, clock) if decision.update is not None else {}
+        self._pushes_this_epoch += pushed
+        epoch_ended = pushed and 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
+        if epoch_ended:
+            self.end_epoch()
+        elif 0 <= self.limits.max_updates <= self.updates:
+            self.stop()
+        self._forget_unused_snapshots()
+        return Outcome(decision, decision.update, epoch_ended=epoch_ended, stopped=self.rules.stopped, **applied)
+
     def _apply(self, update: Update, clock: float) -> dict:
-        """Apply ``update`` (where the core holds the state), write its record; returns the
-        Outcome's fields about it."""
+        """Apply ``update`` (where the core holds the state), record it; the Outcome's fields."""
         pushed = [self._pending.pop(g.id) for g in update.gradients]
         weights: Sequence[float] | None = None
         if self.compensation is not None and self.state is not None:

@@ -1,9 +1,7 @@
-"""Lightning's LR scheduler configs, stepped by whoever applies the updates (the server, or every
-learner where an all-reduce combines the gradients) instead of by Lightning's loop; intervals
-count server updates (``"step"``), epochs after validation (``"epoch"``), and a
-``ReduceLROnPlateau`` reads its ``monitor`` among the logged metrics. With local updates a server
-update counts as H steps, as ``trainer.global_step`` does (docs/how-to/local-updates.md).
-"""
+"""Lightning's LR scheduler configs, stepped by whoever applies the updates instead of by
+Lightning's loop: ``"step"`` intervals count server updates (H steps each with local updates, as
+``trainer.global_step``: docs/how-to/local-updates.md), ``"epoch"`` ones epochs after validation;
+a ``ReduceLROnPlateau`` reads its ``monitor`` among the logged metrics."""
 
 from __future__ import annotations
 
@@ -20,11 +18,8 @@ class Schedules:
     callbacks such as ``LearningRateMonitor`` and checkpoints read the schedule. Where another
     optimizer takes the steps (``stepped``: the server's copy, or a shard of it), its group
     options (learning rate, momentum, ...) are copied from the learner's before every step and
-    after every scheduler step.
-
-    Attributes:
-        metrics: the latest logged values, for plateau schedulers stepped per update.
-        steps_per_update: the steps an update counts for (H with local updates, else 1).
+    after every scheduler step. ``metrics``: the latest logged values, for plateau schedulers
+    stepped per update; ``steps_per_update``: H with local updates, else 1.
     """
 
     steps_per_update = 1
@@ -44,8 +39,7 @@ class Schedules:
         self.learner_optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's schedulers check it
 
     def sync_options(self) -> None:
-        """The learner optimizer's group options (what its schedulers, or the user, set) into the
-        stepped optimizer."""
+        """The learner optimizer's group options into the stepped optimizer."""
         if self.stepped is self.learner_optimizer:
             return
         for mine, theirs in zip(self.stepped.param_groups, self.learner_optimizer.param_groups):

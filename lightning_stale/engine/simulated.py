@@ -1,11 +1,8 @@
-"""The server core on a virtual clock: P learners in one process, no Lightning.
-
-`SimulatedServer` is `ServerCore` driven by a `VirtualCluster` (docs/method.md, "Setting"): the
-caller computes the gradient of the learner that finishes next, on the parameters it last pulled
-(`parameters_for`), and hands it to `push`. Cancelled work is never computed. With local updates
-(docs/how-to/local-updates.md) a push takes the sum of H draws on the clock, the caller pushes
-the pseudo-gradient of H inner steps, and ``inner_states`` keeps each learner's inner optimizer.
-"""
+"""The server core on a virtual clock (docs/method.md, "Setting"): `SimulatedServer` is
+`ServerCore` driven by a `VirtualCluster`; the caller computes the gradient of the learner that
+finishes next on the parameters it last pulled (`parameters_for`) and hands it to `push`, and
+cancelled work is never computed. With local updates (docs/how-to/local-updates.md) a push takes
+H draws on the clock and carries the pseudo-gradient of H inner steps."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ class SimulatedServer:
         return self.core.updates
 
     # ---------------------------------------------------------------- the caller's loop
-    def next_finish(self) -> Finish:
-        """Advance the virtual clock to the next learner that finishes a mini-batch."""
+    def next_finish(self) -> Finish:  # the clock moves to the next learner finishing a mini-batch
         return self.cluster.next_finish()
 
     def parameters_for(self, finish: Finish) -> Tensor:
@@ -64,8 +60,7 @@ class SimulatedServer:
         return outcome
 
     def end_epoch(self, metrics=None) -> None:
-        """An epoch ended and its validation ran. A pause, not a restart: the virtual clock
-        simply does not run while Lightning validates, and work in flight carries on."""
+        """An epoch ended and its validation ran: a pause, not a restart of the virtual clock."""
         self.core.end_epoch()
         self.core.begin_epoch(self.cluster.now, metrics)
 
@@ -76,7 +71,6 @@ class SimulatedServer:
         return self.core.pop_records()
 
     def stats(self) -> dict:
-        """The core's counters, plus ``virtual_time_s``, the virtual clock's reading."""
         return {**self.core.stats(), "virtual_time_s": self.cluster.now}
 
     # ---------------------------------------------------------------- checkpoints

@@ -1,11 +1,10 @@
-"""The parameter server's authoritative state, and the flat vectors learners exchange with it.
+"""The parameter server's state, and the flat vectors learners exchange with it.
 
-`ModelVectors` lays a module out as flat vectors: trainable parameters, then persistent buffers,
-plus a presence mask when some parameter got no gradient. `ServerState` applies docs/method.md's
-update rule (Dutta et al., 2018) as the mean of the K gradients, then one step of the module's
-own optimizer; a parameter no gradient touched keeps ``grad = None``, as under DDP. Buffers are
-the mean of those pushed with the update's gradients (integer buffers: the largest;
-docs/concepts/server.md).
+`ModelVectors` lays a module out flat: trainable parameters, persistent buffers, and a presence
+mask when some parameter got no gradient. `ServerState` applies docs/method.md's update rule
+(Dutta et al., 2018): the mean of the K gradients, one step of the module's own optimizer (a
+parameter no gradient touched keeps ``grad = None``, as under DDP), the mean of the pushed
+buffers (integer buffers: the largest; docs/concepts/server.md).
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ from lightning_stale.engine.schedules import Schedules
 
 @dataclass
 class Contribution:
-    """One pushed mini-batch as the server keeps it until its update: the flat gradient, the
-    learner's buffers and which parameters had a gradient (None: all of them)."""
+    """One pushed mini-batch as the server keeps it: gradient, buffers, which parameters had one."""
 
     gradient: Tensor
     buffers: Tensor | None = None
@@ -60,28 +58,30 @@ class ModelVectors:
         return cls([p for p in module.parameters() if p.requires_grad], chosen)
 
     @property
-    def device(self) -> torch.device:
-        """Where the parameters live (CPU for a model with none)."""
+    def device(self) -> torch.device:  # (CPU for a model with no parameters)
         return self.params[0].device if self.params else torch.device("cpu")
 
     @property
-    def state_numel(self) -> int:
-        """Size of a parameters-and-buffers vector (what the server sends)."""
+    def state_numel(self) -> int:  # a parameters-and-buffers vector's (what the server sends)
         return self.numel + self.buffer_numel
 
-    def max_push_numel(self) -> int:
-        """Size of the largest push: gradients, buffers and a presence mask."""
+    def max_push_numel(self) -> int:  # gradients, buffers and a presence mask
         return self.state_numel + len(self.params)
 
     # ------------------------------------------------------------------ learner side
     def state_vector(self, out: Tensor | None = None, device: torch.device | None = None) -> Tensor:
-        """Parameters then buffers, one contiguous vector on ``device`` (default CPU; written
-        into ``out``, if given: a vector of `state_numel` values of `dtype`)."""
-        return self._flatten(self.params + self.buffers, out, device)
+        """Parameters then buffers, one vector on ``device`` (default CPU), into ``out`` if given."""
+        device = torch.device("cpu") if device is None else device
+        parts = [t.detach().reshape(-1).to(dtype=self.dtype) for t in self.params + self.buffers]
+        if not parts:
+            return out if out is not None else torch.zeros(0, dtype=self.dtype, device=device)
+        return _joined(parts, device if out is None else out.device, out)
 
     def load_state(self, flat: Tensor) -> None:
         """Load a `state_vector` into the module's parameters and buffers."""
-        self._load(self._split(flat, self._param_sizes + self._buffer_sizes, self.state_numel))
+        if flat.numel() != self.state_numel:
+            raise ValueError(f"flat vector has {flat.numel()} values, the module has {self.state_numel}")
+        self._load(torch.split(flat, self._param_sizes + self._buffer_sizes))
 
     def load_parts(self, chunks: Sequence[Tensor]) -> None:
         """`load_state` of the concatenation of ``chunks``, without concatenating them."""
@@ -99,16 +99,19 @@ class ModelVectors:
             offset += size
         self._load(parts)
 
-    def _load(self, parts: Sequence[Tensor]) -> None:
+    def load_buffers(self, flat: Tensor) -> None:
+        """Load the buffers' part of a `state_vector` (integer buffers rounded)."""
+        self._load(torch.split(flat, self._buffer_sizes), self.buffers)
+
+    def _load(self, parts: Sequence[Tensor], into: Sequence[Tensor] | None = None) -> None:
         with torch.no_grad():
-            for dst, part in zip(self.params + self.buffers, parts):
+            for dst, part in zip(self.params + self.buffers if into is None else into, parts):
                 src = part.view_as(dst)
                 dst.copy_(src.round() if not dst.is_floating_point() else src, non_blocking=True)
 
     def push_vector(self, mask: bool = False, device: torch.device | None = None,
                     out: Tensor | Callable[[int], Tensor | None] | None = None) -> tuple[Tensor, bool]:
-        """Gradients (zeros where missing), buffers and, if some gradient is missing (or ``mask``), a presence mask;
-        and whether the mask is there."""
+        """Gradients (zeros where missing), buffers and a presence mask where needed; its presence."""
         device = torch.device("cpu") if device is None else device
         grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
                  for p in self.params]
@@ -134,25 +137,11 @@ class ModelVectors:
         present = flat[self.state_numel:].bool() if masked else None
         return Contribution(gradient, buffers, present)
 
-    def _flatten(self, tensors: Sequence[Tensor], out: Tensor | None = None,
-                 device: torch.device | None = None) -> Tensor:
-        device = torch.device("cpu") if device is None else device
-        parts = [t.detach().reshape(-1).to(dtype=self.dtype) for t in tensors]
-        if not parts:
-            return out if out is not None else torch.zeros(0, dtype=self.dtype, device=device)
-        return _joined(parts, device if out is None else out.device, out)
-
-    @staticmethod
-    def _split(flat: Tensor, sizes: list[int], total: int) -> list[Tensor]:
-        if flat.numel() != total:
-            raise ValueError(f"flat vector has {flat.numel()} values, the module has {total}")
-        return list(torch.split(flat, sizes))
-
 
 def clone_optimizer(optimizer: Optimizer, mapping: Mapping[int, Tensor], only_mapped: bool = False) -> Optimizer:
-    """The same optimizer over the server's copies of the parameters (``mapping``: id of a learner parameter -> its
-    server copy; other tensors, e.g. frozen ones, are kept as they are, or left out with ``only_mapped``: a shard
-    of the parameters; every group is kept, even emptied, so that per-group schedules still line up)."""
+    """The same optimizer over the server's copies (``mapping``: id of a learner parameter -> its copy;
+    others, e.g. frozen ones, kept, or left out with ``only_mapped``: a shard); every group is kept,
+    even emptied, so that per-group schedules still line up."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates the loss several times per step, which a parameter "
                          "server cannot do: it applies gradients computed elsewhere. Use a "
@@ -195,12 +184,9 @@ _REBUILT = frozenset((
 
 
 class ServerState:
-    """Authoritative parameters, buffers, optimizer and LR schedulers of a parameter server.
-
-    With local updates, ``outer`` builds the outer optimizer over the server's parameters: the
-    contributions are pseudo-gradients, and the schedulers of ``optimizer`` (the learners' inner
-    one) are stepped ``steps_per_update`` times per update (docs/how-to/local-updates.md).
-    """
+    """A parameter server's parameters, buffers, optimizer and LR schedulers. With local updates
+    (docs/how-to/local-updates.md) ``outer`` builds the outer optimizer, the contributions are
+    pseudo-gradients and the inner optimizer's schedulers step ``steps_per_update`` times."""
 
     def __init__(self, module: nn.Module, optimizer: Optimizer, schedulers: Sequence[Any] = (),
                  buffers: bool = True, clip: Callable[[Optimizer], None] | None = None,
@@ -233,16 +219,13 @@ class ServerState:
 
     def apply(self, contributions: Sequence[Contribution], weights: Sequence[float] | None = None,
               update_index: int = 0) -> None:
-        """Average the gradients (weighted, e.g. for staleness compensation; a missing gradient
-        counts as zero), take one optimizer step, combine the buffers, and step the schedulers
-        due after update ``update_index``."""
+        """Average the gradients (weighted; a missing one: zero), step optimizer and schedulers, combine buffers."""
         k = len(contributions)
         scales = [1.0 / k] * k if weights is None else [float(w) / k for w in weights]
         if scales == [1.0]:  # one gradient as it is (K = 1): no copy, the parameters' grads view it
             average = contributions[0].gradient
         else:  # (no zero-filled start: a pass over N values fewer)
-            # Summed where the parameters live: on a GPU, rank 0's learner pushes a CUDA vector
-            # and the others host ones (`CentralExchange`).
+            # Summed where the parameters live (on a GPU, rank 0 pushes a CUDA vector, others host ones).
             device = self.vectors.device
             average = torch.mul(contributions[0].gradient.to(device), scales[0])
             for scale, c in zip(scales[1:], contributions[1:]):
@@ -262,9 +245,8 @@ class ServerState:
         self.schedules.after_update(update_index)
 
     def step_lrs(self) -> tuple[float, ...]:
-        """The learning rates the next `apply` steps with: the learner optimizer's group options,
-        which `Schedules.before_step` copies into the stepped optimizer (read there, so that
-        nothing is copied twice); with an outer optimizer, its own."""
+        """The learning rates the next `apply` steps with (read where `Schedules.before_step` will
+        copy them from, not copied twice; with an outer optimizer, its own)."""
         copied = self.schedules.stepped is self.optimizer
         groups = (self.schedules.learner_optimizer if copied else self.optimizer).param_groups
         return tuple(float(g["lr"]) for g in groups)
@@ -275,9 +257,7 @@ class ServerState:
             torch.device(device or "cpu") in self._snapshot[1]
 
     def snapshot(self, version: int, device: torch.device | None = None) -> Tensor:
-        """The current parameters and buffers, those of ``version``, as one flat vector on
-        ``device`` (default CPU: what travels to other processes); made once per version and
-        device."""
+        """The parameters and buffers of ``version`` on ``device`` (CPU), once per version and device."""
         device = torch.device(device or "cpu")
         if self._snapshot is None or self._snapshot[0] != version:
             self._snapshot = (version, {})
@@ -309,9 +289,8 @@ class ServerState:
 
 
 def _joined(parts: Sequence[Tensor], device: torch.device, out: Tensor | None = None) -> Tensor:
-    """Flat ``parts`` as one vector on ``device`` (in ``out`` where it fits). Parts on one other
-    device (a GPU's, for host memory) are joined there and copied once: a copy per tensor from a
-    GPU waits for the device each time."""
+    """Flat ``parts`` as one vector on ``device`` (in ``out`` where it fits); parts on one other
+    device are joined there and copied once (a copy per tensor from a GPU waits each time)."""
     total = sum(t.numel() for t in parts)
     fits = out is not None and out.numel() == total and out.device == device
     sources = {t.device for t in parts}
@@ -323,8 +302,7 @@ def _joined(parts: Sequence[Tensor], device: torch.device, out: Tensor | None = 
 
 
 def named_state(module: nn.Module, vector: Tensor, buffers: bool = True) -> dict[str, Tensor]:
-    """A parameters-and-buffers vector of ``module`` under the names ``module.state_dict`` uses
-    (only the tensors the vector holds: frozen parameters stay the module's own)."""
+    """A parameters-and-buffers vector of ``module`` by the names of ``module.state_dict``."""
     layout = ModelVectors.of(module, buffers)
     tensors = layout.params + layout.buffers
     parts = torch.split(vector, [t.numel() for t in tensors])
@@ -334,9 +312,8 @@ def named_state(module: nn.Module, vector: Tensor, buffers: bool = True) -> dict
 
 def load_gradients(params: Sequence[Tensor], flat: Tensor, present: Tensor | None = None,
                    sparse: bool = False) -> None:
-    """Set each parameter's ``grad`` from its part of ``flat`` (a view where dtype and device
-    allow: ``flat`` must not be reused); a parameter whose ``present`` is False gets
-    ``grad = None``, so that the optimizer skips it (as it would under DDP)."""
+    """Each parameter's ``grad`` from its part of ``flat`` (a view where it can: ``flat`` must not
+    be reused); one not ``present`` gets ``grad = None``: the optimizer skips it, as under DDP."""
     flags = None if present is None else present.tolist()  # (one read of a CUDA mask, not one per tensor)
     for i, (p, part) in enumerate(zip(params, torch.split(flat, [p.numel() for p in params]))):
         if flags is not None and not flags[i]:

@@ -1,10 +1,8 @@
-"""CUDA streams of the engine's own threads, and the hand-offs between them and the training thread.
-
-On the default stream an engine thread's copy would queue behind a collective the training thread
-entered, while the other ranks wait for that copy: a deadlock across ranks. So the engine's
-threads use streams of their own, from a priority level no NCCL group uses (`ENGINE_PRIORITY`,
-`separate_levels`), and hand tensors over with events (PyTorch docs, "CUDA semantics", "CUDA
-streams"; pools of 32 streams per level, c10/cuda/CUDAStream.cpp). On the CPU nothing here acts.
+"""CUDA streams of the engine's own threads, and their hand-offs with the training thread. On the
+default stream an engine thread's copy would queue behind a collective the training thread
+entered, while the other ranks wait for that copy: a deadlock across ranks. So engine threads use
+streams of their own, from a priority level no NCCL group uses, and hand tensors over with events
+(PyTorch docs, "CUDA semantics", "CUDA streams"; c10/cuda/CUDAStream.cpp). The CPU is untouched.
 """
 
 from __future__ import annotations
@@ -17,12 +15,10 @@ import torch
 from torch import Tensor
 
 STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp, kStreamsPerPool
-# The level after the default's: NCCL's groups use the default level (0) or, asking for high
-# priority, the most urgent one (-(levels - 1)), PyTorch keeping up to 4 (c10's
-# max_compile_time_stream_priorities); CUDA devices since Turing offer 6 (0 to -5).
+# NCCL's groups use the default level (0) or the most urgent (-(levels - 1)); PyTorch keeps up
+# to 4 (c10's max_compile_time_stream_priorities), devices since Turing offer 6 (0 to -5).
 ENGINE_PRIORITY = -1
-# The engine's roles of one stream per process; each device channel is a role of its own too
-# (``("channel", sender, receiver)``).
+# The engine's roles of one stream per process (each device channel is one too).
 SERVER, OWNER, COPIES, READERS = "server", "owner", "copies", "readers"
 _FIXED_ROLES = (SERVER, OWNER, COPIES, READERS)
 _engine_streams: dict[tuple[torch.device, Hashable], torch.cuda.Stream] = {}
@@ -30,8 +26,7 @@ _engine_lock = threading.Lock()
 
 
 def engine_stream(device: torch.device, role: Hashable) -> torch.cuda.Stream | None:
-    """The engine's stream for ``role`` (the server, a shard owner, a channel, ...) on ``device``,
-    the same one every time this process asks (see the module docstring), or None off CUDA."""
+    """The engine's stream for ``role`` on ``device``, the same one every time, or None off CUDA."""
     if device.type != "cuda":
         return None
     with _engine_lock:
@@ -42,8 +37,7 @@ def engine_stream(device: torch.device, role: Hashable) -> torch.cuda.Stream | N
 
 
 def side_stream(device: torch.device, role: Hashable) -> torch.cuda.Stream | None:
-    """`engine_stream` for ``role``, after the work queued so far on the current stream (the
-    state the engine copied from the module there), or None off CUDA."""
+    """`engine_stream` for ``role``, after the work queued so far on the current stream."""
     stream = engine_stream(device, role)
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -51,14 +45,13 @@ def side_stream(device: torch.device, role: Hashable) -> torch.cuda.Stream | Non
 
 
 def engine_streams_needed(channels: int) -> int:
-    """The most streams one process of the engine holds at its level: the server's, a shard
-    owner's, the copies' to the host, the readers', and one per device channel it holds."""
+    """The most streams one process holds at the engine's level: the fixed roles', one per channel."""
     return len(_FIXED_ROLES) + channels
 
 
 def separate_levels(device: torch.device) -> bool:
-    """Whether ``device`` offers the three stream priority levels that keep the engine's
-    streams apart from both kinds of NCCL group (ROCm offers two)."""
+    """Whether ``device`` offers three stream priority levels, keeping the engine's streams apart
+    from both kinds of NCCL group (ROCm offers two)."""
     if device.type != "cuda":
         return True
     with torch.cuda.device(device):
@@ -78,8 +71,7 @@ def on(stream: torch.cuda.Stream | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def running_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """`on`, and when it ends, wait (on the host) for the work queued there, so that whatever the
-    thread leaves behind is complete for any thread that reads it later."""
+    """`on`, then wait on the host for the work queued there: complete for any later reader."""
     try:
         with on(stream):
             yield
@@ -89,8 +81,7 @@ def running_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
 
 
 def mark(tensor: Tensor | None) -> torch.cuda.Event | None:
-    """An event after the work queued so far on the current stream of ``tensor``'s device, for a
-    CUDA tensor that another thread will use next (its ``Message.ready``)."""
+    """An event after the current stream's work, for a CUDA tensor another thread uses next."""
     if tensor is None or not tensor.is_cuda:
         return None
     with torch.cuda.device(tensor.device):
@@ -100,9 +91,8 @@ def mark(tensor: Tensor | None) -> torch.cuda.Event | None:
 
 
 def receive(tensor: Tensor | None, ready: torch.cuda.Event | None) -> None:
-    """Make ``tensor``, handed over by another thread with ``ready`` (`mark`), safe to use on the
-    current stream: the stream waits for it, and the caching allocator will not give its memory
-    to the other stream's next tensor before this stream is done with it."""
+    """Make ``tensor``, handed over with ``ready`` (`mark`), safe on the current stream: it waits
+    for it, and the allocator keeps its memory from the other stream until this one is done."""
     if ready is None or tensor is None or not tensor.is_cuda:
         return
     with torch.cuda.device(tensor.device):
@@ -112,18 +102,15 @@ def receive(tensor: Tensor | None, ready: torch.cuda.Event | None) -> None:
 
 
 def hold(tensor: Tensor, stream: torch.cuda.Stream | None) -> None:
-    """Keep ``tensor``'s memory from the caching allocator until the work queued so far on
-    ``stream`` is done, for a tensor made on another stream and last used on ``stream`` (or by
-    work ``stream`` waits for): freed earlier, it could go to its own stream's next tensor while
-    still being read."""
+    """Keep the memory of ``tensor`` (made on another stream, last used on ``stream``) from the
+    allocator until ``stream``'s work so far is done: freed earlier, it could be reused while read."""
     if stream is not None and tensor.is_cuda:
         with torch.cuda.device(tensor.device):
             tensor.record_stream(stream)
 
 
 def to_host(tensor: Tensor, ready: torch.cuda.Event | None) -> Tensor:
-    """``tensor`` (on the device, complete after ``ready``) in host memory: the copy waits on
-    the host for ``ready`` and runs on a stream of its own, never behind another stream's work."""
+    """``tensor`` in host memory, copied after ``ready`` on a stream of its own, behind nothing."""
     if not tensor.is_cuda:
         return tensor
     with on(engine_stream(tensor.device, COPIES)):
@@ -134,10 +121,9 @@ def to_host(tensor: Tensor, ready: torch.cuda.Event | None) -> Tensor:
 
 @contextlib.contextmanager
 def reading(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Read state that an engine thread working on ``stream`` changes, from another thread that
-    holds that thread still (its lock): the reads run on a stream of their own that starts after
-    ``stream``'s work so far (not on the caller's, which may wait for a collective), and are
-    complete when this ends, before the engine thread changes the state again."""
+    """Read state an engine thread on ``stream`` changes, from a thread holding it still: on a
+    stream of their own after ``stream``'s work (not the caller's, which may wait for a
+    collective), complete when this ends."""
     reader = engine_stream(stream.device, READERS) if stream is not None else None
     with running_on(reader):
         if reader is not None and stream is not None:

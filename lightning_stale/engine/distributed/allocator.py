@@ -1,11 +1,8 @@
-"""Freed memory kept for reuse while the engine moves whole-model vectors.
-
-glibc's malloc serves vectors of the model's size with ``mmap`` and trims freed memory back to
-the system, so every push, answer and snapshot arrives as fresh pages faulted in on first write:
-several times the copy's cost (docs/benchmarks/path_breakdown.md). `hold_freed_memory` turns
-that off for the process's life (its peak stays with it, not a leak); elsewhere than glibc it does
-nothing. A caching allocator (jemalloc, tcmalloc via ``LD_PRELOAD``) has the same effect.
-"""
+"""Freed memory kept for reuse while the engine moves whole-model vectors: glibc's malloc serves
+them with ``mmap`` and trims freed memory back, so every push, answer and snapshot arrives as fresh
+pages faulted in on first write, several times the copy's cost (docs/benchmarks/path_breakdown.md).
+`hold_freed_memory` turns that off for the process's life (its peak stays, not a leak); a caching
+allocator (jemalloc, tcmalloc via ``LD_PRELOAD``) has the same effect."""
 
 from __future__ import annotations
 
@@ -39,8 +36,7 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 @functools.cache  # once per process: every fit asks, and benchmarks ask before the first
 def hold_freed_memory() -> bool:
-    """Keep memory freed by this process for reuse from now on (see the module docstring);
-    whether the allocator took the setting (False off glibc)."""
+    """Keep memory freed by this process for reuse from now on; whether glibc took the setting."""
     mallopt = _mallopt()
     if mallopt is None:
         return False

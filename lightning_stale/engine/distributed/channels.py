@@ -1,10 +1,8 @@
-"""Payloads straight from device to device: a point-to-point group for every direction between
-two ranks, on the default group's backend (NCCL on GPUs; gloo on the CPU, where the tests run).
-
-Headers still travel over gloo (`transport`); a large payload follows on the channel. One group
-per direction, not per pair: NCCL runs one communicator's point-to-point operations in order on
-one stream, so two ranks sending first would wait for each other. The channels' groups take the
-most urgent stream priority, which nothing else uses (`engine.streams`, docs/how-to/gpus.md).
+"""Payloads straight from device to device: a point-to-point group per direction between two
+ranks, on the default group's backend (NCCL on GPUs; gloo on the CPU), a large payload following
+its header (over gloo) on it. Per direction, not per pair: NCCL runs one communicator's
+point-to-point operations in order on one stream, so two ranks sending first would wait for each
+other. The groups take the most urgent stream priority, which nothing else uses (docs/how-to/gpus.md).
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from lightning_stale.engine import streams
 
 
 class Channel:
-    """One direction between two ranks: ``src`` sends, ``dst`` receives (the one end this rank
-    holds), on ``group``; ``device``: where received payloads are put."""
+    """One direction between two ranks on ``group`` (this rank holds one end)."""
 
     def __init__(self, group, src: int, dst: int, device: torch.device) -> None:
         self.group, self.src, self.dst, self.device = group, src, dst, device
@@ -35,10 +32,9 @@ class Channel:
                 ready.synchronize()  # complete before it is posted: see the module docstring
             payload = payload.contiguous()
             dist.send(payload, dst=self.dst, group=self.group)
-        # The send returns once it is queued; NCCL reads the payload later on its own stream,
-        # which this channel's stream now waits for. The payload was made on another stream (the
-        # training thread's, the server's, an owner's), to which its memory returns when it is
-        # freed: held for this stream, it is not reused before the send has read it.
+        # The send returns once queued; NCCL reads the payload later, on a stream this one waits
+        # for. Made on another stream, its memory would return there when freed: held for this
+        # stream, it is not reused before the send has read it.
         streams.hold(payload, self.stream)
         self.carried += 1
 
@@ -59,9 +55,8 @@ def carried(channels: dict[tuple[int, int], Channel]) -> int:
 def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, device: torch.device,
                   timeout: datetime.timedelta, first_numel: int = 1,
                   setup_timeout: datetime.timedelta | None = None) -> dict[tuple[int, int], Channel]:
-    """A `Channel` for every direction of ``pairs`` that involves ``rank``, keyed by (sender, receiver), each one
-    already used once (`_first_exchange`, ``first_numel`` values, within ``setup_timeout``: None, torch's default);
-    collective: every rank calls it with the same pairs (each group is created by all)."""
+    """A `Channel` for every direction of ``pairs`` that involves ``rank``, by (sender, receiver), each
+    used once (`_first_exchange`, within ``setup_timeout``); collective: every rank creates every group."""
     pairs = list(pairs)
     channels = {}
     for src, dst in pairs:
@@ -73,9 +68,7 @@ def open_channels(rank: int, pairs: Iterable[tuple[int, int]], backend: str, dev
 
 
 def _options(backend: str, timeout: datetime.timedelta):
-    """A NCCL group's options: its stream from the most urgent priority level (see the module
-    docstring; ``ProcessGroupNCCL.Options.is_high_priority_stream``), and the group's timeout
-    (``new_group`` warns where the options hold another)."""
+    """A NCCL group's options: the most urgent stream priority, its timeout (else new_group warns)."""
     if backend != "nccl":
         return None
     options = dist.ProcessGroupNCCL.Options()
@@ -85,9 +78,8 @@ def _options(backend: str, timeout: datetime.timedelta):
 
 
 def close_channels(channels: dict[tuple[int, int], Channel]) -> None:
-    """Destroy the groups of ``channels`` at a clean end (each holds a NCCL communicator, its
-    threads and device buffers); after a failure they are left to the process's exit, as the
-    other groups are: destroying a group under a blocked operation aborts the process."""
+    """Destroy the groups of ``channels`` at a clean end; after a failure they are left to the
+    process's exit: destroying a group under a blocked operation aborts the process."""
     for channel in channels.values():  # (their counts stay: the run's stats read them)
         if channel.group is not None:
             dist.destroy_process_group(channel.group)
@@ -96,10 +88,9 @@ def close_channels(channels: dict[tuple[int, int], Channel]) -> None:
 
 def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tuple[int, int], Channel],
                     device: torch.device, numel: int, limit: datetime.timedelta) -> None:
-    """A vector of ``numel`` values over every channel, before training: NCCL creates a group's communicator at its
-    first operation, and creating one allocates device memory, which can wait for kernels already running; were
-    that to happen in an engine thread during training, beside a collective of the training thread that waits for
-    the very peer being set up, neither could finish."""
+    """``numel`` values over every channel before training: NCCL creates a communicator at its first
+    operation, allocating device memory, which can wait for running kernels; in an engine thread beside
+    a training collective that waits for the very peer being set up, neither could finish."""
     for src, dst in pairs:
         channel = channels.get((src, dst))
         if channel is None:
@@ -110,9 +101,8 @@ def _first_exchange(rank: int, pairs: list[tuple[int, int]], channels: dict[tupl
                 work = dist.isend(value, dst=dst, group=channel.group)
             else:
                 work = dist.irecv(value, src=src, group=channel.group)
-            # Bounded by the strategy's timeout (a peer that died in set-up; the groups' own is
-            # long: `frames.CHANNEL_TIMEOUT`), on NCCL by waiting on the host, which an explicit
-            # timeout asks for.
+            # Bounded by the strategy's timeout (a peer dead in set-up; the groups' own is long),
+            # on NCCL by waiting on the host, which an explicit timeout asks for.
             if work is None or not work.wait(limit):
                 raise TimeoutError(f"rank {rank}: the device channel {src} -> {dst} was not set up "
                                    f"within {limit}")

@@ -13,10 +13,9 @@ POLL_S = 0.1  # how often a waiting learner looks at the server's health
 
 
 class MessageLatency:
-    """Running mean of a learner's message round trip without the server's time: for each push
-    answered, (answer received - push sent) - the server's hold, both durations on one clock
-    (the NTP offset/delay method, RFC 5905 section 8), so no clock is shared across machines.
-    The mean of the last ``window`` samples, so it follows the machine's load."""
+    """Mean of a learner's last ``window`` round trips without the server's time: (answer received -
+    push sent) - the server's hold, each on one clock (NTP's offset/delay method, RFC 5905 section
+    8), so no clock is shared across machines."""
 
     def __init__(self, window: int = 64) -> None:
         self._samples: deque[float] = deque(maxlen=window)
@@ -38,8 +37,7 @@ class MiniBatchClock:
         self._start = self._last_event = self._pushed_at = time.monotonic()
         self._pushes = self._timed_pushes = 0
 
-    def restart(self) -> None:
-        """A mini-batch starts now, not on a server message (the first one)."""
+    def restart(self) -> None:  # the first mini-batch starts now, not on a server message
         self._start = time.monotonic()
 
     def resume(self, paused_s: float) -> None:
@@ -51,8 +49,7 @@ class MiniBatchClock:
         self._pushed_at = time.monotonic()
 
     def message(self, message: Message) -> None:
-        """A server message arrived: a round-trip sample if it is the first answer to our latest
-        push, and the instant of its server event on this clock."""
+        """A server message arrived: maybe a round trip, and the instant of its server event here."""
         if message.pushes == self._pushes > self._timed_pushes:
             self.latency.observe(message.received_at - self._pushed_at - message.hold)
             self._timed_pushes = self._pushes
@@ -63,8 +60,7 @@ class MiniBatchClock:
         self._start = self._last_event if started_by_server else self._pushed_at
 
     def elapsed(self) -> float:
-        """The current mini-batch's time so far, as the server will see it at its push's arrival
-        (its start includes the uplink to come)."""
+        """The mini-batch's time so far as the server will see it (its start counts the uplink)."""
         return time.monotonic() - self._start
 
     def remaining(self, seconds: float) -> float:
@@ -75,8 +71,8 @@ class MiniBatchClock:
 
 
 class Silence:
-    """How long the server has been silent, seen from one thread; time this process spent
-    frozen or starved does not count (its own messages may be waiting unread)."""
+    """How long the server has been silent, seen from one thread; time this process was frozen
+    or starved does not count (its messages may wait unread)."""
 
     def __init__(self, endpoint: LearnerEndpoint) -> None:
         self.endpoint = endpoint

@@ -1,14 +1,12 @@
-"""A message's frame on the wire, and the routes its payload takes (`PayloadRoutes`).
-
-A frame is the header with a small payload inside (up to INLINE_PAYLOAD_BYTES), else the header
-alone, the payload following as a second gloo message, in shared memory (`lanes`) or on a device
-channel (`channels`). `open_routes` chooses a rank's routes once; `send` and `recv` take them.
-"""
+"""A message's frame on the wire: the header with a small payload inside, else the header alone,
+the payload following as a second gloo message, in shared memory (`lanes`) or on a device channel
+(`channels`). `open_routes` chooses a rank's routes (`PayloadRoutes`) once; `send`, `recv` take them."""
 
 from __future__ import annotations
 
 import datetime
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ from lightning_stale.engine.distributed.messages import (
     TransportError,
     decode_header,
     encode_header,
+    payload_text,
 )
 from lightning_stale.engine.state import ModelVectors
 
@@ -50,8 +49,7 @@ class PayloadRoutes:
 
     channels: dict[tuple[int, int], Channel] = field(default_factory=dict)  # by (sender, receiver)
     lanes: dict = field(default_factory=dict)  # peer -> (lane to send on, lane to receive on)
-    # payloads travel between the learners' and the server's endpoints (else the channels serve
-    # a path's own data connections, and the endpoints carry headers and small orders)
+    # payloads travel between the endpoints (else channels serve a path's own connections)
     through_endpoints: bool = True
 
     @property
@@ -78,8 +76,7 @@ def open_routes(rank: int, group, pairs: list[tuple[int, int]], backend: str | N
 
 
 def _carrier(payload: Tensor | None, channel: Channel | None) -> Channel | None:
-    """``channel`` where it carries ``payload``'s kind of device (a host payload, e.g. a report
-    or saved optimizer state, goes over gloo where the channel is NCCL's)."""
+    """``channel`` where it carries ``payload``'s kind of device (host payloads go over gloo)."""
     if payload is None or channel is None or payload.device.type != channel.device.type:
         return None
     return channel
@@ -88,8 +85,7 @@ def _carrier(payload: Tensor | None, channel: Channel | None) -> Channel | None:
 def encode(message: Envelope, lane: Lane | None = None,
            closed: Callable[[], str | None] = lambda: None,
            channel: Channel | None = None) -> tuple[Tensor, Tensor | None]:
-    """The frame to send first (header, and the payload if it is small) and the payload to send after it (on
-    ``channel``, where there is one), or None."""
+    """The frame to send first (with a small payload inside) and the payload to send after it, or None."""
     payload = None if message.payload is None else message.payload.reshape(-1)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
     channel = _carrier(payload, channel)
@@ -111,8 +107,7 @@ def encode(message: Envelope, lane: Lane | None = None,
 
 
 def decode(frame: Tensor, sender: str, max_numel: int) -> tuple[Envelope, int, torch.dtype, int]:
-    """The message of a received frame, its payload's size and dtype, and where the payload is
-    (`SEPARATE`, `INLINE`: then it is set on the message, as a copy, or `IN_LANE`)."""
+    """`decode_header` of a received frame, an `INLINE` payload copied onto the message."""
     message, numel, dtype, where = decode_header(frame.numpy(), sender, max_numel)  # (read in place)
     if numel and where == INLINE:
         nbytes = numel * dtype.itemsize
@@ -135,21 +130,35 @@ def send(message: Envelope, dst: int, group, tags: tuple[int, int], lane: Lane |
 
 
 def receiver_name(side: str, peer: int) -> str:
-    """The name of a thread that sits in `recv` from ``peer``: `strategies.faults` looks for
-    such threads at a failed process's exit (`RECEIVER`)."""
+    """A thread in `recv` from ``peer``: `strategies.faults` looks for them at a failed exit."""
     return f"stale-{side}-recv-{peer}"
 
 
 RECEIVER = re.compile(r"stale-\w+-recv-\d+$")  # what `receiver_name` names
 
 
+def peer_threads(side: str, peers, send_loop: Callable[[int], None],
+                 receive_loop: Callable[[int], None]) -> list[threading.Thread]:
+    """A sending and a receiving thread per peer (not started): a slow peer holds up only its own."""
+    return [threading.Thread(target=loop, args=(peer,), daemon=True, name=name)
+            for peer in peers for loop, name in ((send_loop, f"stale-{side}-send-{peer}"),
+                                                 (receive_loop, receiver_name(side, peer)))]
+
+
+def join_threads(threads: list[threading.Thread], timeout: float) -> list[str]:
+    """Wait for ``threads``, all within ``timeout`` seconds; the names of those still running."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threads if t.is_alive()]
+
+
 def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
          buffer: Tensor | None = None, lane: Lane | None = None, lend: tuple[Kind, ...] = (),
          channel: Channel | None = None) -> Envelope:
-    """One message from ``src``; ``buffer`` (FRAME_BYTES of uint8) is reused by a receiving loop;
-    ``lane``: the sender's shared-memory lane to this process, if any; messages of the kinds in
-    ``lend`` keep their payload there (`Lane.lend`); ``channel``: the sender's channel to this
-    process, if any (its payloads come with ``Envelope.ready``)."""
+    """One message from ``src`` into ``buffer`` (reused by a receiving loop); a payload in the
+    sender's ``lane`` stays there for the kinds in ``lend`` (`Lane.lend`); one on ``channel``
+    comes with ``Envelope.ready``."""
     frame = torch.empty(FRAME_BYTES, dtype=torch.uint8) if buffer is None else buffer
     dist.recv(frame, src=src, group=group, tag=tags[0])  # a shorter frame fits
     message, numel, dtype, where = decode(frame, sender, max_numel)
@@ -169,5 +178,7 @@ def recv(group, tags: tuple[int, int], src: int, sender: str, max_numel: int,
     elif numel and where == SEPARATE:
         message.payload = torch.empty(numel, dtype=dtype)
         dist.recv(message.payload, src=src, group=group, tag=tags[1])
+    if message.kind in (Kind.ABORT, Kind.INTERRUPT):  # the reason travels as the payload
+        message.error = payload_text(message.payload)
     message.received_at = time.monotonic()
     return message

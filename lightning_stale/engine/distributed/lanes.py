@@ -1,11 +1,8 @@
-"""Large payloads between the server and a learner on the same host, through shared memory.
-
-A lane is a file in ``/dev/shm`` mapped by both processes (unlinked once mapped): the sender copies
-a payload into a free slot and sends only the header over gloo (``inline`` = `messages.IN_LANE`),
-sparing loopback TCP's copies (docs/benchmarks/path_breakdown.md). Each lane has one writing and
-one reading thread and `SLOTS` slots used in turn: slot n % SLOTS is free once message n - SLOTS
-was read, copied out, or used in place (`LentPayload`). A learner without a file talks over gloo.
-"""
+"""Large payloads between the server and a learner on its host, through shared memory: a file in
+``/dev/shm`` mapped by both (unlinked once mapped); the sender copies a payload into a free slot
+and sends only the header over gloo, sparing loopback TCP's copies (docs/benchmarks/path_breakdown.md).
+A lane has one writer, one reader and `SLOTS` slots in turn: slot n % SLOTS is free once message
+n - SLOTS was read, copied out or used in place (`LentPayload`)."""
 
 from __future__ import annotations
 
@@ -44,32 +41,27 @@ class Lane:
         self.slot_bytes = slot_bytes
         self._slots = [storage[_CONTROL + i * slot_bytes:_CONTROL + (i + 1) * slot_bytes]
                        for i in range(SLOTS)]
-        # this side's own counts (one writer, one reader): payloads written; taken and freed
-        # (they differ while the reader borrows a payload in place: `read` with ``lend``)
+        # this side's counts: payloads written; taken and freed (apart while one is lent)
         self._written = self._taken = self._read = 0
         self._lent: LentPayload | None = None  # the payload `lend` gave out last
 
     def carries(self, nbytes: int) -> bool:
-        """Whether a payload of ``nbytes`` travels here: too large for its header's frame (which
-        carries it with no copy at all), small enough for a slot."""
+        """Whether a payload of ``nbytes`` travels here: too large for its frame, not for a slot."""
         return INLINE_PAYLOAD_BYTES < nbytes <= self.slot_bytes
 
     def reserve(self, nbytes: int, closed: Callable[[], str | None]) -> Tensor:
-        """The next slot's first ``nbytes`` (uint8), once the reader no longer holds it, to be
-        filled in place and then passed to `write`, which then copies nothing. Until that write,
-        the slot stays the next one: work thrown away leaves nothing to undo."""
+        """The next slot's first ``nbytes``, once the reader no longer holds it, to fill in place and
+        pass to `write`, which then copies nothing (until then it stays the next slot)."""
         self._wait_free(closed)
         return self._slots[self._written % SLOTS][:nbytes]
 
     def reserve_now(self, nbytes: int) -> Tensor | None:
-        """`reserve` without the wait: the next slot's first ``nbytes``, or None while the reader
-        still holds it."""
+        """`reserve` without the wait: None while the reader holds the slot."""
         return self._slots[self._written % SLOTS][:nbytes] if self._next_free() else None
 
     def write(self, payload: Tensor, closed: Callable[[], str | None]) -> None:
-        """Copy ``payload`` (flat, `carries` its size) into the next slot, waiting while the reader still
-        holds it (``closed`` says why to give up waiting: the peer is gone), unless it was
-        filled there in place (`reserve`, `reserve_now`); the reader may then take it."""
+        """Copy ``payload`` into the next slot (unless filled there in place), waiting while the
+        reader holds it (``closed`` says why to give up: the peer is gone); then the reader may take it."""
         n = self._written
         slot = self._slots[n % SLOTS]
         if payload.data_ptr() != slot.data_ptr():
@@ -90,8 +82,7 @@ class Lane:
             time.sleep(0.0002)
 
     def read(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """The next payload written (the header announcing it has arrived), copied out; its slot
-        is free again."""
+        """The next payload written, copied out; its slot is free again."""
         held = self._take(numel, dtype)
         out = torch.empty(numel, dtype=dtype)
         out.copy_(held)
@@ -99,8 +90,7 @@ class Lane:
         return out
 
     def lend(self, message, numel: int, dtype: torch.dtype) -> None:
-        """Set ``message.payload`` to the next payload in place, in its slot, and
-        ``message.lent`` to the `LentPayload` that frees the slot once it is used."""
+        """``message.payload``: the next payload in its slot; ``message.lent`` frees the slot."""
         message.payload = self._take(numel, dtype)
         message.lent = self._lent = LentPayload(self, message)
 
@@ -146,8 +136,7 @@ class LentPayload:
                 self._settle()
 
     def release(self) -> None:
-        """The payload will not be used (parameters the learner holds already): its slot is
-        free, and the message no longer points into it."""
+        """The payload will not be used (parameters held already): the slot is free, the message empty."""
         with self._lock:
             if not self.settled:
                 self._message.payload = None
@@ -169,10 +158,7 @@ def slot_bytes_for(numel: int, dtype: torch.dtype) -> int:
 
 
 class LaneFile:
-    """The two lanes of one learner (up: to the server, down: from it) in one file.
-
-    `create` makes the file (the learner), `open` maps an existing one after checking its token
-    (the server)."""
+    """One learner's two lanes (up, down) in one file: the learner `create`s, the server `open`s."""
 
     def __init__(self, path: str, storage: Tensor, slot_bytes: int) -> None:
         self.path, self.storage, self.slot_bytes = path, storage, slot_bytes
@@ -217,8 +203,7 @@ class LaneFile:
 
 def open_lanes(group, rank: int, slot_bytes: int, enabled: bool = True,
                directory: str = SHM_DIR, all_or_none: bool = False) -> dict[int, tuple[Lane, Lane]]:
-    """The lanes between the server (rank 0) and every remote learner on its host; collective over ``group`` (every
-    rank calls it)."""
+    """The lanes between rank 0 and every remote learner on its host (collective over ``group``)."""
     made, token = None, 0
     if rank != 0 and enabled:
         try:

@@ -1,11 +1,9 @@
-"""A learner's side of the protocol: push a gradient, wait for the answer, obey the server.
+"""A learner's side of the protocol (docs/method.md, "Setting"; docs/concepts/server.md).
 
 `Learner.step` runs after Lightning's closure: it draws the injected delay, pushes the gradient
-with its version and waits for the answer; new parameters cancel work (sync family), a stop ends
-it, an epoch's end pauses it (docs/method.md, "Setting"; docs/concepts/server.md: work in flight
-is carried over, a mini-batch started after the end is discarded, the pause is on no clock).
-Failures raise `ServerFailed` (`RunInterrupted` for a signal). Where the learner stands is its
-`phases.Phase`, moved only as `phases.MOVES` allows.
+and waits for the answer; new parameters cancel work (sync family), a stop ends it, an epoch's
+end pauses it (work in flight is carried over, a mini-batch started after the end discarded).
+Failures raise `ServerFailed` (`RunInterrupted` for a signal). Where it stands is its `Phase`.
 """
 
 from __future__ import annotations
@@ -27,10 +25,8 @@ from lightning_stale.engine.state import ModelVectors
 
 
 class Learner:
-    """One rank's learner: ``exchange`` is the path's learner side, ``delay`` a straggler model
-    (``sample(rank)``) or None, ``waits_for_answer`` False where the variant needs no answer to a
-    push (`Variant.pusher_needs_answer`), ``roll_call`` (``on_learner_failure="continue"``): report
-    at every epoch's end and validate once the server has heard every learner alive."""
+    """One rank's learner (``exchange``: its path's side; ``roll_call``: report at every epoch's end
+    and validate once the server has heard every learner alive)."""
 
     def __init__(self, endpoint: LearnerEndpoint, vectors: ModelVectors, delay=None, *,
                  exchange: LearnerSide, waits_for_answer: bool = True, delay_is_total: bool = False,
@@ -68,29 +64,24 @@ class Learner:
     # ------------------------------------------------------------------ waiting
     @property
     def failure(self) -> str | None:
-        """Why the run failed, as far as this learner knows (what it raised, the server's ABORT, a
-        broken connection, a silent server); safe from another thread (the watchdog's)."""
-        if self._raised or self.endpoint.failure:
-            return self._raised or self.endpoint.failure
-        silent = self._watch.silent_for()
-        if not self.endpoint.local and silent > self.server_timeout:
-            return f"learner {self.rank}: no message from the server for {silent:.0f} s"
-        return None
+        """Why the run failed, as far as this learner knows; safe from the watchdog's thread."""
+        return self._raised or self.endpoint.failure or self._silence(self._watch)
+
+    def _silence(self, clock: Silence) -> str | None:
+        """Why the run failed where the server stayed silent too long on ``clock``, else None."""
+        silent = clock.silent_for()
+        if self.endpoint.local or silent <= self.server_timeout:
+            return None
+        return f"learner {self.rank}: no message from the server for {silent:.0f} s: its process is gone or frozen"
 
     def _check_health(self) -> None:
         """Raise if the server failed or went silent (while waiting for anything)."""
-        error = self._server_error()
-        silent = self._poll.silent_for()
-        if not error and not self.endpoint.local and silent > self.server_timeout:
-            error = (f"learner {self.rank}: no message from the server for {silent:.0f} s: "
-                     "its process is gone or frozen")
-        error = error or self.endpoint.failure
+        error = self._server_error() or self._silence(self._poll) or self.endpoint.failure
         if error:
             raise ServerFailed(self._fail(error))
 
     def _wait(self, timeout: float | None) -> list[Message]:
-        """The server's messages other than heartbeats, blocking up to ``timeout`` seconds
-        (None: until one arrives); raises if the server failed or went silent."""
+        """The server's messages but heartbeats, blocking up to ``timeout`` s (None: until one)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._poll.silent_for()
         while True:
@@ -115,10 +106,9 @@ class Learner:
                 return [m for m in messages if m.kind != Kind.HEARTBEAT]
 
     def _absorb(self, messages: list[Message]) -> Events:
-        """What ``messages`` mean for the work in progress, taken in order. An answer that ends an
-        epoch is followed at once by the server's EPOCH, which is waited for here: the learner
-        pauses at that update, before its loader draws another mini-batch, so what it carries or
-        discards there does not depend on when the EPOCH arrives."""
+        """What ``messages`` mean for the work in progress. An answer that ends an epoch is followed
+        by the server's EPOCH, waited for here: the learner pauses at that update, before its loader
+        draws again, so what it carries or discards does not depend on when the EPOCH arrives."""
         events = self._take(messages)
         while events.epoch_ending and not (events.paused or events.stopped or self.paused):
             events.merge(self._take(self._wait(None)))
@@ -143,9 +133,8 @@ class Learner:
                     self._reported = m.epoch
                     self._send(Message(Kind.PRESENT, version=self.version, epoch=m.epoch))
                 self.exchange.resolve(m, self._check_health)
-                # Only the epoch's own message ends it, and pauses the learner: the refreshes sent
-                # just before it carry the new count too, and an epoch ended on one of them would
-                # be followed by this message in the next epoch, pausing the learner for good.
+                # Only the epoch's own message ends it: the refreshes just before carry the new count
+                # too, and one ending it would be followed by this in the next epoch, pausing for good.
                 self.server_epochs = max(self.server_epochs, m.epoch)
                 self._epoch_heard = max(m.epoch, self._epoch_heard or 0)
                 self._validation_state = m.payload
@@ -179,14 +168,13 @@ class Learner:
                 self._to(Phase.DONE if self.phase is Phase.LEFT else Phase.STOPPED)
         return events
 
-    def wait_for_parameters(self) -> None:
-        """Block until the server's first parameters arrive (w_0, or the resumed state)."""
+    def wait_for_parameters(self) -> None:  # w_0, or the resumed state
         while self.version < 0 and not self.stopped:
             self._absorb(self._wait(None))
         self.clock.restart()
 
     def stop_heard(self) -> bool:
-        """Whether the server's STOP has come, taken or not (what came waits, in order)."""
+        """Whether the server's STOP has come, taken or not."""
         self._set_aside(self._drain())
         return self._stop_waits()
 
@@ -203,15 +191,13 @@ class Learner:
 
     # ------------------------------------------------------------------ one step
     @property
-    def stopped(self) -> bool:
-        """The server's STOP was taken: training is over."""
+    def stopped(self) -> bool:  # the server's STOP was taken
         return self.phase in (Phase.STOPPED, Phase.DONE)
 
     def _to(self, phase: Phase) -> None:
         self.phase = advance(self.phase, phase)
 
     def _fail(self, reason: str) -> str:
-        """This learner fails, for ``reason`` (which this returns)."""
         self._raised = reason
         self._to(Phase.FAILED)
         return reason
@@ -224,9 +210,7 @@ class Learner:
         return self.stopped or self.server_epochs > local_epoch
 
     def step(self, loss: float, samples: int, started_at: float, unusable: str | None = None) -> None:
-        """After backward: delay, push and wait for the answer, unless the server says otherwise
-        first. ``started_at``: when Lightning started this mini-batch (``time.monotonic()``);
-        ``unusable``: why the gradient cannot be applied (e.g. "overflow"), if so."""
+        """After backward: delay, push and wait for the answer, unless the server says otherwise first."""
         started_by_server = True
         self.last_x = math.nan
         try:
@@ -264,8 +248,7 @@ class Learner:
         return self._delay_and_push(Carried(push))
 
     def _send(self, message: Message) -> None:
-        """Send to the server; a connection that breaks under the send is the run's failure, named
-        as the receiving thread names it, not gloo's bare error."""
+        """Send to the server; a broken connection fails the run, named as the receiver names it."""
         try:
             self.endpoint.push(message)
         except Exception as exc:
@@ -274,8 +257,7 @@ class Learner:
             raise ServerFailed(self._fail(self.endpoint.connection_broke(exc))) from exc
 
     def _carry(self, work: Carried) -> None:
-        """Keep ``work`` for after the epoch's end: Lightning zeroes the gradients before
-        validation, so what its push carries is taken out of the module now (`exchange.carry`)."""
+        """Keep ``work`` for after the epoch's end (Lightning zeroes the gradients before validation)."""
         if work.push is not None:
             self.exchange.carry(work.push)
         self.carried = work
@@ -321,11 +303,9 @@ class Learner:
 
     # ------------------------------------------------------------------ epochs
     def confirm_epoch_end(self, timeout: float) -> None:
-        """Paused at an epoch's end, wait for the server's answer to the roll call (``roll_call``):
-        every learner alive has reported, the dead are counted in ``dead_learners``, before
-        Lightning's collectives (which a death noticed later would fail). A STOP ends the wait; a
-        learner frozen before it reported holds the answer up, so after ``timeout`` seconds (the
-        bound of those collectives) `TimeoutError`."""
+        """Paused at an epoch's end, wait for the roll call's answer (the dead counted) before
+        Lightning's collectives, which a death noticed later would fail; a STOP ends the wait, a
+        frozen learner holding it up past ``timeout`` (those collectives' bound) `TimeoutError`."""
         epoch, deadline = self._reported, time.monotonic() + timeout
         while epoch is not None and self._roll_answered < epoch and not self._stop_waits():
             remaining = deadline - time.monotonic()
@@ -343,8 +323,7 @@ class Learner:
             self.vectors.load_state(self._validation_state)
 
     def resume(self) -> None:
-        """Training goes on after an epoch's end: own parameters back, the pause off the clock,
-        the carried mini-batch finished first."""
+        """After an epoch's end: own parameters back, the pause off the clock, the carried work first."""
         if self._own_state is not None:
             self.vectors.load_state(self._own_state)
             self._own_state = None
@@ -374,7 +353,7 @@ class Learner:
 
     # ------------------------------------------------------------------ leaving
     def close(self, timeout: float) -> None:
-        """Say goodbye (the delays drawn, the work never pushed), then wait for the server's stop."""
+        """Say goodbye (the delays drawn, the work never pushed), then wait for the stop."""
         if self.carried is not None and self.carried.push is not None:
             self.cancelled += 1  # carried past the last epoch: never pushed
         self.carried = None
@@ -403,23 +382,20 @@ class Learner:
                                    payload=text_payload(reason)))
 
     def abort(self, reason: str, interrupted: bool = False) -> None:
-        """Tell the server, once, that this learner cannot go on (``reason``: the error or signal);
-        the learner has FAILED from then on, ``failure`` holding the reason."""
+        """Tell the server, once, that this learner cannot go on; it has FAILED from then on."""
         if self._raised:
             return
         self._fail(reason)
         self._tell_server(reason, Flag.INTERRUPTED if interrupted else 0)
 
     def leave_after_failure(self) -> None:
-        """After the run failed, tell a server known to be alive (it sent the ABORT) that this
-        learner is gone, so that its receiving thread ends before the processes exit (one left
-        blocked in a gloo receive at exit aborts the process)."""
+        """After the run failed, tell a server known alive (it sent the ABORT) that this learner is
+        gone, so its receiving thread ends before exit (one blocked in a gloo receive aborts it)."""
         if self._told_server or self.endpoint.local or not self.endpoint.server_aborted:
             return
         self._tell_server(f"learner {self.rank} left after the failure: {self.failure}")
 
-    def _tell_server(self, reason: str, flags: int = 0) -> None:
-        """This learner's one ABORT: the server's thread receiving from it ends on it."""
+    def _tell_server(self, reason: str, flags: int = 0) -> None:  # its one ABORT
         self._told_server = reason
         self.endpoint.push(Message(Kind.ABORT, version=self.version, error=reason, flags=flags,
                                    payload=text_payload(reason)))

@@ -1,9 +1,6 @@
-"""Messages between learners and the parameter server, and their wire header.
-
-A message is a fixed-size header of named fields (`HEADER`, packed with `struct`, starting with a
-magic number and the protocol version, checked by `decode_header`) and an optional flat tensor
-payload. Nothing received is ever unpickled or executed.
-"""
+"""Messages of the engine's three conversations and their wire header: a fixed-size header of
+named fields (`HEADER`, packed with `struct`, starting with a magic number and the protocol
+version) and an optional flat tensor payload. Nothing received is ever unpickled or executed."""
 
 from __future__ import annotations
 
@@ -33,20 +30,18 @@ HEADER = (
     ("loss", "d"), ("hold", "d"), ("age", "d"),
 )
 _STRUCT = struct.Struct("<" + "".join(fmt for _, fmt in HEADER))
-# The header's fields read from and written to a message as they are (the others are computed);
-# packed and unpacked in one call each: a header goes both ways on every push and answer.
+# The fields a message holds as they are, packed and unpacked in one call each (the hot path).
 _NAMES = tuple(name for name, _ in HEADER)
 assert _NAMES[:3] == ("magic", "protocol", "kind") and _NAMES[13:16] == ("numel", "dtype", "inline")
 _INTS, _FLOATS = _NAMES[3:13], _NAMES[16:]
 _ints_of, _floats_of = operator.attrgetter(*_INTS), operator.attrgetter(*_FLOATS)
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
-# Payloads up to this size travel inside the header's frame: one gloo message per message
-# instead of two, which halves the latency of a push or an answer for the models where latency,
-# not bandwidth, dominates (the digits MLP is 19 KB). Larger payloads follow their header as a
-# second message, so that they are not copied into a frame, or wait in shared memory.
+# Payloads up to this size travel inside the header's frame: one gloo message instead of two,
+# half the latency where latency, not bandwidth, dominates (the digits MLP is 19 KB). Larger ones
+# follow as a second message, not copied into a frame, or wait in shared memory.
 INLINE_PAYLOAD_BYTES = 256 * 1024
-# The header's ``inline``: where its payload travels (`transport.encode`).
-# a second gloo message, the same frame, shared memory, a channel (`channels`: device to device)
+# The header's ``inline``, where its payload travels (`frames.encode`): a second gloo message,
+# the same frame, shared memory, a device channel
 SEPARATE, INLINE, IN_LANE, ON_CHANNEL = 0, 1, 2, 3
 HEADER_BYTES = _STRUCT.size
 
@@ -65,8 +60,7 @@ class Kind(IntEnum):
     EPOCH = 7  # server -> learner: an epoch ended; payload = the parameters to validate
     ABORT = 8  # either way: the run failed or was interrupted; payload = the reason (utf-8)
     HEARTBEAT = 9  # server -> learner: the server is alive (sent when it has nothing else to say)
-    # The sharded path (engine.distributed.paths.sharded): data between learners and shard owners,
-    # and the server's orders to the owners.
+    # The sharded path: data between learners and shard owners, and the server's orders to owners
     PIECE = 10  # learner -> owner: its part of push ``seq`` (gradients, buffers, presence)
     SLICE = 11  # owner -> learner: its part of the parameters of ``version``, for ``delivery``
     STATE = 12  # owner -> rank 0: its parameters and (flag OPTIMIZER) optimizer state, gathered
@@ -75,16 +69,12 @@ class Kind(IntEnum):
     SCHEDULE = 15  # server -> owners: step the schedulers; payload = the metrics (JSON)
     GATHER = 16  # server -> owners: send rank 0 your state, for request ``delivery``
     RETIRE = 17  # server -> owners: training is over
-    # either way: a signal (SIGTERM, SIGINT) asks to stop the run; payload = the reason (utf-8).
-    # Learner -> server: this process got it; server -> learner: sent just before STOP, so that
-    # every learner leaves through the goodbye protocol and then reports the interruption.
+    # A signal (SIGTERM, SIGINT) stops the run; payload = the reason. Up: this process got it;
+    # down: just before STOP, so every learner leaves by the goodbye protocol, then reports it.
     INTERRUPT = 18
-    # learner -> server: its Trainer was asked to stop mid-epoch (a callback such as Timer for
-    # max_time): training stops for everyone, each learner on the server's STOP.
-    HALT = 19
-    # Under on_learner_failure="continue", the roll call at an epoch's end. Learner -> server: it
-    # heard the EPOCH of ``epoch`` and paused; server -> learner: every learner still alive has
-    # (one that died before it is removed first), ``dead`` is final for the epoch's collectives.
+    HALT = 19  # learner -> server: its Trainer was asked to stop (e.g. Timer): a STOP for everyone
+    # The roll call at an epoch's end (on_learner_failure="continue"). Up: paused at the EPOCH of
+    # ``epoch``; down: every learner alive has (the dead removed first), ``dead`` is final.
     PRESENT = 20
 
 
@@ -106,8 +96,7 @@ class Flag(IntEnum):
 
 @dataclass
 class Envelope:
-    """What every conversation's message has: its kind (`Kind`), a flat tensor payload or None, and
-    what the receiving side notes (the wire carries the kind and the payload only)."""
+    """What every conversation's message has: its kind, a payload, what the receiver notes."""
 
     kind: Kind
     _: KW_ONLY
@@ -135,8 +124,8 @@ class Message(Envelope):
     seq: int = 0  # PUSH: the learner's push counter (the sharded path pairs its pieces by it)
     delivery: int = 0  # a SLICED downlink message: the delivery its SLICEs belong to
     loss: float = 0.0  # PUSH: the mini-batch's training loss (NaN when unknown)
-    # downlink, for the learner's NTP-style latency estimate: pushes received from this learner,
-    # and the seconds from the server receiving the latest to sending this message
+    # downlink, for the learner's NTP-style latency estimate (`clocks.MessageLatency`): pushes
+    # received from this learner, and seconds from the server receiving the latest to sending this
     pushes: int = 0
     hold: float = 0.0
     age: float = 0.0  # downlink: seconds from the arrival of the push it answers to sending it
@@ -173,7 +162,7 @@ _WIRE: dict[type, frozenset[str]] = {cls: frozenset(f.name for f in fields(cls))
 
 
 def encode_header(message: Envelope, payload: Tensor | None, inline: int) -> bytes:
-    """``inline``: where the payload travels (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`)."""
+    """``inline``: where the payload travels (`SEPARATE` ... `ON_CHANNEL`)."""
     numel, dtype = (0, 0) if payload is None else (payload.numel(), _DTYPE_CODES.get(payload.dtype))
     if dtype is None:
         raise ValueError(f"a payload of dtype {payload.dtype if payload is not None else None} cannot "
@@ -186,8 +175,7 @@ def encode_header(message: Envelope, payload: Tensor | None, inline: int) -> byt
 
 
 def decode_header(data, sender: str, max_numel: int) -> tuple[Envelope, int, torch.dtype, int]:
-    """The message of a header at the start of ``data`` (bytes, or any buffer: a receive buffer is read in place), its
-    payload's size and dtype, and where the payload travels (`SEPARATE`, `INLINE`, `IN_LANE` or `ON_CHANNEL`)."""
+    """The message of a header at the start of ``data``, its payload's numel, dtype and route."""
     if len(data) < HEADER_BYTES:
         raise TransportError(f"{sender} sent a frame of {len(data)} bytes, shorter than a header "
                              f"({HEADER_BYTES} bytes)")
@@ -233,9 +221,9 @@ _TRAINING = (Kind.PARAMS, Kind.CONTINUE)
 
 
 def coalesce(messages: list[Message | Order]) -> list[Message | Order]:
-    """What a sender that fell behind sends instead of ``messages``, with the same effect on the learner: a run of
-    training messages becomes its newest header, with the newest parameters if any of them carried parameters;
-    heartbeats go when anything else is sent; epoch ends, stops and aborts are kept, in order."""
+    """What a sender that fell behind sends instead of ``messages``, to the same effect: a run of
+    training messages becomes its newest header with the newest parameters among them;
+    heartbeats go when anything else is sent; epoch ends, stops and aborts stay, in order."""
     out: list[Message | Order] = []
     run: list[Message] = []  # (orders are never training messages)
 

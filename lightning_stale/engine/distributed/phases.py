@@ -1,9 +1,5 @@
 """Where a learner stands in its protocol with the server (`Phase`), and the moves allowed
-between phases, in one table (`MOVES`); `advance` refuses any other move.
-
-COMPUTING, PUSHED (waiting for the answer), PAUSED (an epoch's end), STOPPED, LEFT, DONE (both),
-FAILED. The learner's ``paused`` keeps when a pause began, whatever comes after.
-"""
+between phases, in one table (`MOVES`); `advance` refuses any other move."""
 
 from __future__ import annotations
 
@@ -58,8 +54,7 @@ def advance(current: Phase, to: Phase) -> Phase:
 
 @dataclass
 class Carried:
-    """A mini-batch in flight at an epoch's end: its push (None: pushed, waiting for the answer),
-    its drawn delay (None: not drawn yet) and how long it already waited."""
+    """A mini-batch in flight at an epoch's end: its push (None: pushed), delay, time waited."""
 
     push: Message | None
     delay: float | None = None

@@ -1,6 +1,5 @@
-"""The engine on one rank: its learner, and on global rank 0 the server, on the chosen path
-(`ServerPath.build` builds the path's part; the routes, core, endpoints and learner are here).
-"""
+"""The engine on one rank: routes, the path's part (`ServerPath.build`), the learner and, on
+rank 0, the server."""
 
 from __future__ import annotations
 
@@ -30,9 +29,8 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
                resume: dict | None = None,
                clip: Callable[[Optimizer], None] | None = None,
                lanes: dict | None = None) -> tuple[Learner, ParameterServer | None, dict]:
-    """This rank's learner, on rank 0 the started server (its thread running), and this rank's
-    device channels (`channels`: `close_channels` after a clean end); ``lanes``: the central
-    path's, where `paths.registry.settle_path` opened them."""
+    """This rank's learner, on rank 0 the started server, and its device channels (to close after
+    a clean end); ``lanes``: the central path's, where `settle_path` opened them."""
     path = path_named(options.path)
     vectors = ModelVectors.of(module)
     routes = open_routes(rank, group, path.channel_pairs(variant.p), options.channels, vectors,

@@ -1,11 +1,8 @@
-"""The parameter server across processes: the core on a thread of global rank 0, talking to the
-learners through a `ServerEndpoint`.
-
-Events are decided one at a time as they arrive. Any failure ends the run: every learner gets an
-ABORT naming the cause (``error``). With ``on_learner_failure="continue"`` a broken learner is
-removed instead and, at every epoch's end, a roll call makes its death known before Lightning's
-collectives. An INTERRUPT (a signal) stops every learner through the goodbye protocol.
-"""
+"""The parameter server across processes: the core on a thread of rank 0, deciding events one at
+a time as they arrive through a `ServerEndpoint`. Any failure ends the run, every learner told why
+by an ABORT; with ``on_learner_failure="continue"`` a broken learner is removed instead, and a roll
+call at every epoch's end makes its death known before Lightning's collectives. An INTERRUPT (a
+signal) stops every learner through the goodbye protocol."""
 
 from __future__ import annotations
 
@@ -53,8 +50,8 @@ class ParameterServer:
         self._held: list[Message] = []  # pushes that arrived during the pause
         self._present: dict[int, set[int]] = {}  # epoch -> learners paused at its end (roll call)
         self._lost: set[int] = set()  # learners whose connection broke, removed or not
-        # On a GPU the server works on a stream of its own (`engine.streams`: on the default one,
-        # its copies to the host would queue behind the training thread's collectives).
+        # On a GPU, a stream of its own: on the default one its copies would queue behind the
+        # training thread's collectives (`engine.streams`).
         device = core.state.vectors.device if core.state is not None else torch.device("cpu")
         self.stream = streams.side_stream(device, streams.SERVER)
 
@@ -77,8 +74,7 @@ class ParameterServer:
         return not self._thread.is_alive()
 
     def resume(self, metrics: Mapping[str, float]) -> None:
-        """Training goes on after an epoch's end (from rank 0's learner, with its logged
-        metrics for the epoch's schedulers)."""
+        """Training goes on after an epoch's end (rank 0's logged metrics, for its schedulers)."""
         self.events.put((_RESUME, dict(metrics)))
 
     def report_metrics(self, metrics: Mapping[str, float]) -> None:
@@ -95,27 +91,24 @@ class ParameterServer:
 
     @contextlib.contextmanager
     def reading(self):
-        """Hold the core still for a reader on another thread (a checkpoint): the lock and, on a
-        GPU, a reading stream that starts after the server's work and is done before the server
-        goes on (`engine.streams.reading`). A tensor the reader keeps must be copied inside."""
+        """Hold the core still for a reader on another thread (a checkpoint copies inside)."""
         with self.lock, streams.reading(self.stream):
             yield
 
     def final_report(self, unannounced: tuple[int, list[float], int] | None = None
                      ) -> tuple[dict, TraceRecorder]:
-        """The final counters (``computations_cancelled`` summed over the learners' goodbyes)
-        and the trace of the delays the learners drew. ``unannounced``: (rank, delays,
-        cancelled) of a learner that said no goodbye (rank 0's, after a failure), if any."""
-        reports = {r: (m.payload, m.cancelled) for r, m in self.learner_reports.items()}
+        """The final counters and the trace of the delays the learners drew (``unannounced``: rank,
+        delays and cancelled work of a learner that said no goodbye: rank 0's, after a failure)."""
+        reports = {r: ([] if m.payload is None else m.payload.tolist(), m.cancelled)
+                   for r, m in self.learner_reports.items()}
         if unannounced is not None and unannounced[0] not in reports:
             rank, delays, cancelled = unannounced
-            reports[rank] = (torch.tensor(delays, dtype=torch.float64) if delays else None, cancelled)
+            reports[rank] = ([float(d) for d in delays], cancelled)
         stats = self.core.stats()
         stats["computations_cancelled"] = sum(cancelled for _, cancelled in reports.values())
         recorder = TraceRecorder()
         for learner in sorted(reports):
-            payload = reports[learner][0]
-            for value in ([] if payload is None else payload.tolist()):
+            for value in reports[learner][0]:
                 recorder.record(learner, value)
         return stats, recorder
 
@@ -153,14 +146,13 @@ class ParameterServer:
             if kind == _RESUME:
                 self._release_held()
         elif event.kind == Kind.PUSH and self._paused:
-            # Nothing changes while paused (validation and checkpoints see the epoch's end, and
-            # the epoch's schedulers step before the next epoch's first update, as under DDP).
+            # Nothing changes while paused (validation and checkpoints see the epoch's end; its
+            # schedulers step before the next epoch's first update, as under DDP).
             if event.lent is not None:
                 event.lent.keep()  # out of its slot: the learner's next push must not wait for it
             self._held.append(event)
         elif event.kind == Kind.PUSH and event.lent is not None:
-            # Read in place in its shared-memory slot (`ServerEndpoint`, ``lend_pushes``), which
-            # is the learner's again once the push was decided.
+            # Read in place in its shared-memory slot, the learner's again once decided.
             event.lent.use(lambda payload: self._on_push(event))
         elif event.kind == Kind.PUSH:
             self._on_push(event)
@@ -181,9 +173,8 @@ class ParameterServer:
             self._answer_roll_call()
 
     def _on_push(self, message: Message) -> None:
-        # Answers count their age from the push's arrival. Two receiving threads can queue pushes
-        # in another order than they stamped them, so the clock the core sees is kept monotone
-        # (an update's time never goes back; the error is that reordering gap, microseconds).
+        # Answers count their age from the push's arrival, kept monotone: two receiving threads can
+        # queue pushes out of stamp order (the error is that gap, microseconds).
         self._cause = max(self._cause, message.received_at or time.monotonic())
         unusable = message.error if message.flags & Flag.UNUSABLE else None
         contribution = None if unusable is not None else self.payloads.contribution(message)
@@ -197,8 +188,7 @@ class ParameterServer:
             self._answer(outcome)
 
     def _release_held(self) -> None:
-        """Training goes on: the pushes held during the pause are decided now, as if they had
-        arrived at this instant (the pause is no training time)."""
+        """Training goes on: the pushes held in the pause are decided as if they arrived now."""
         self._paused = False
         held, self._held = self._held, []
         for message in held:
@@ -206,10 +196,9 @@ class ParameterServer:
             self._on_push(message)
 
     def unheard_death(self) -> str | None:
-        """A learner's connection broke mid-run where that ends the run, seen by the endpoint
-        before (or without) this server's loop: for the watchdog, which must not depend on that
-        loop (it may be stuck: on a GPU, behind a payload that will never arrive). The loop
-        decides as `_on_broken` does; this reads the same facts from another thread."""
+        """A learner's connection broke mid-run where that ends the run, as the endpoint saw it: for
+        the watchdog, which must not depend on this server's loop (it may be stuck on a GPU behind
+        a payload that will never arrive); the same facts as `_on_broken` reads."""
         if self.endpoint is None:
             return None
         for learner, error in list(self.endpoint.broken.items()):
@@ -218,12 +207,11 @@ class ParameterServer:
         return None
 
     def _leaving(self, learner: int) -> bool:
-        """Whether ``learner`` left, or is leaving: its connection closing is no fault."""
+        """Whether ``learner`` left or is leaving (its connection closing is no fault)."""
         return learner in self.learner_reports or self.core.stopped
 
     def _death_ends_run(self) -> bool:
-        """Whether a learner's death mid-run ends the run: unless the run is to go on without
-        it, and can (K < P: with K = P every update would wait for the dead)."""
+        """Whether a learner's death ends the run: unless asked to go on, and it can (K < P)."""
         return self.on_learner_failure != "continue" or self.core.rules.k == self.core.rules.p
 
     def _on_broken(self, event: Message) -> None:
@@ -247,10 +235,8 @@ class ParameterServer:
         self._answer_roll_call()
 
     def _answer_roll_call(self) -> None:
-        """Under ``on_learner_failure="continue"`` the learners validate only after every learner
-        still alive has reported at the epoch's end (`Kind.PRESENT`). One that died before never
-        reports: its broken connection removes it and the answer counts it dead, so the others
-        know before Lightning's collectives on the default group, which would fail on it."""
+        """The learners validate once every learner alive reported at the epoch's end (PRESENT); a
+        dead one is removed and counted in the answer, known before Lightning's collectives."""
         alive = set(self.core.rules.alive) - self._lost - set(self.learner_reports)
         for epoch in sorted(self._present):
             if not alive <= self._present[epoch]:
@@ -288,16 +274,13 @@ class ParameterServer:
         self._release_held()  # counted as in flight at the stop
 
     def _interrupt(self, reason: str) -> None:
-        """A signal on some process: training stops for everyone, each learner told why first
-        (after a stop it is moot: training is over anyway)."""
+        """A signal on some process: training stops for everyone, each learner told why first."""
         with self.lock:
             if self.core.stopped:
                 log.warning("%s after training had stopped: ignored", reason)
                 return
         self.interruption = reason
-        for learner in self.core.rules.alive:
-            self._out.send(learner, Message(Kind.INTERRUPT, learner, error=reason,
-                                                payload=text_payload(reason)))
+        self._tell_all(Kind.INTERRUPT, reason)
         self._stop()
 
     def _abort(self, reason: str, interrupted: bool = False) -> None:
@@ -307,10 +290,11 @@ class ParameterServer:
         self.error, self.interrupted = reason, interrupted
         with self.lock:
             self.core.stop()
+        self._tell_all(Kind.ABORT, reason, Flag.INTERRUPTED if interrupted else 0)
+
+    def _tell_all(self, kind: Kind, reason: str, flags: int = 0) -> None:
         for learner in self.core.rules.alive:
-            self._out.send(learner, Message(Kind.ABORT, learner, error=reason,
-                                                flags=Flag.INTERRUPTED if interrupted else 0,
-                                                payload=text_payload(reason)))
+            self._out.send(learner, Message(kind, learner, flags=flags, error=reason, payload=text_payload(reason)))
 
     # ------------------------------------------------------------------ sending
     def _send(self, learner: int, kind: Kind, decision: Decision | None = None) -> None:
@@ -328,14 +312,13 @@ class ParameterServer:
             self._send(learner, kind)
 
     def _broadcast_stop(self, decision: Decision | None = None) -> None:
-        """The final parameters for everyone (``decision``: the one whose update stopped
-        training, for payloads that carry updates rather than parameters); whatever the payloads
-        must do at the stop goes out before the stops themselves, which close the connections."""
+        """The final parameters for everyone (``decision``: the one that stopped training); what the
+        payloads do at the stop goes before the stops, which close the connections."""
         stops = [self._message(learner, Kind.STOP, decision) for learner in self.core.rules.alive]
         self.payloads.on_stop()
         for message in stops:
             self._out.send(message.learner, message)
 
     def gather(self, request: int) -> None:
-        """Have the payloads collect the model's state where it is spread (sharded path)."""
+        """Have the payloads collect the model's state where it is spread."""
         self.events.put((_GATHER, request))

@@ -1,11 +1,7 @@
-"""How messages travel between learners and the parameter server.
-
-Remote learners talk to the server over point-to-point gloo on a process group of its own, so
-Lightning's collectives never interleave with server traffic; the learner on rank 0 uses queues.
-A payload takes the route `frames.open_routes` chose. Every remote learner has its own receiving
-and sending thread, so a frozen learner blocks only its own; a sender that falls behind
-coalesces (`messages.coalesce`), and a server with nothing to say sends heartbeats.
-"""
+"""Learners and the parameter server: point-to-point gloo on a group of their own (Lightning's
+collectives never interleave with it), queues for rank 0's learner, payloads on the routes
+`frames.open_routes` chose. Each remote learner has its own sending and receiving thread, so a
+frozen one blocks only its own; a sender behind coalesces; a silent server sends heartbeats."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.engine.distributed.channels import Channel, carried
-from lightning_stale.engine.distributed.frames import FRAME_BYTES, PayloadRoutes, receiver_name, recv, send
+from lightning_stale.engine.distributed.frames import FRAME_BYTES, join_threads, peer_threads, receiver_name, recv, send
 from lightning_stale.engine.distributed.lanes import Lane, LaneClosed
 from lightning_stale.engine.distributed.messages import (
     INLINE_PAYLOAD_BYTES,
@@ -29,15 +25,12 @@ from lightning_stale.engine.distributed.messages import (
     ShardData,
     TransportError,
     coalesce,
-    payload_text,
 )
 
-__all__ = ["FRAME_BYTES", "INLINE_PAYLOAD_BYTES", "LearnerEndpoint", "PayloadRoutes", "ServerEndpoint", "recv",
-           "send"]
+__all__ = ["INLINE_PAYLOAD_BYTES", "LearnerEndpoint", "ServerEndpoint"]
 
 UP, UP_DATA, DOWN, DOWN_DATA = 11, 12, 21, 22  # tags: learner->server and server->learner
-# The largest payloads a receiver accepts besides the model's own size: a goodbye's delays, and
-# the reason of an abort (utf-8 bytes).
+# The largest payloads accepted besides the model's: a goodbye's delays, an abort's reason
 MAX_REPORT_VALUES = 1 << 26
 MAX_REASON_BYTES = 1 << 16
 _LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these on a downlink
@@ -58,25 +51,20 @@ class ServerEndpoint:
         self.broken: dict[int, str] = {}  # learner -> why its connection broke (`_broke`)
         self.local_inbox, self.local_owner = local_inbox, local_owner
         self._max_numel = max(max_numel, MAX_REPORT_VALUES)
-        # learner -> (pushes received, time.monotonic() of the latest), for `Message.hold`
+        # learner -> (pushes received, the latest's arrival), for `Message.hold`
         self._pushes = {r: (0, 0.0) for r in range(num_learners)}
         self._last_sent = {r: time.monotonic() for r in range(num_learners)}
         # (a sender marks each message done once sent: `place_for` reads what is left to send)
         self._outboxes: dict[int, queue.Queue[Message | Order | None]] = {
             r: queue.Queue() for r in range(1, num_learners)}
         self._closed: set[int] = set()  # learners that left, died or were told to stop
-        self._threads = []
-        for r in self._outboxes:
-            self._threads += [
-                threading.Thread(target=self._send_loop, args=(r,), daemon=True, name=f"stale-server-send-{r}"),
-                threading.Thread(target=self._receive_loop, args=(r,), daemon=True, name=receiver_name("server", r))]
+        self._threads = peer_threads("server", self._outboxes, self._send_loop, self._receive_loop)
         for t in self._threads:
             t.start()
 
     @property
     def lane_learners(self) -> list[int]:
-        """The learners whose payloads travel through shared memory."""
-        return sorted(self._lanes)
+        return sorted(self._lanes)  # the learners whose payloads travel through shared memory
 
     def send(self, learner: int, message: Message | Order) -> None:
         if learner in self._closed:
@@ -95,14 +83,12 @@ class ServerEndpoint:
 
     @property
     def payloads_on_channels(self) -> int:
-        """Payloads this endpoint sent or received on device channels so far."""
         return carried(self._channels)
 
     def place_for(self, learner: int, numel: int, dtype: torch.dtype) -> Tensor | None:
-        """Where the next message's payload of ``numel`` values to ``learner`` can be written now, so that it leaves
-        without another copy: the next slot of its lane, when it has one, the payload travels there, its sender has
-        nothing queued (so that slot is the one the next payload takes) and the learner has read what the slot
-        held; else None, never a wait (a learner frozen with a slot unread must not hold up the server)."""
+        """Where the next payload of ``numel`` values to ``learner`` can be written now, to leave with no
+        other copy: the next slot of its lane, where it travels there, nothing is queued before it and
+        the learner has read the slot; else None, never a wait (a frozen learner must not hold up the server)."""
         lane = self._lanes.get(learner, (None, None))[0]
         nbytes = numel * dtype.itemsize
         if lane is None or not lane.carries(nbytes) or learner in self._closed:
@@ -113,8 +99,7 @@ class ServerEndpoint:
         return None if place is None else place.view(dtype)
 
     def heartbeat(self, interval: float) -> None:
-        """Tell every remote learner that heard nothing for ``interval`` seconds that the server
-        is alive (learners end the run when the server stays silent; see `LearnerEndpoint`)."""
+        """Tell every remote learner that heard nothing for ``interval`` s that the server lives."""
         now = time.monotonic()
         for learner in self._outboxes:
             if now - self._last_sent[learner] >= interval:
@@ -157,8 +142,6 @@ class ServerEndpoint:
                 if not isinstance(message, Message):
                     raise TransportError(f"learner {learner} sent a {message.kind.name}, not a message to the server")
                 message.learner = learner
-                if message.kind in (Kind.ABORT, Kind.INTERRUPT):
-                    message.error = payload_text(message.payload)
                 self._received(message)
                 if message.kind in (Kind.BYE, Kind.ABORT):
                     return
@@ -194,18 +177,13 @@ class ServerEndpoint:
             self._broke(learner, f"sending to learner {learner} failed: {exc}")
 
     def _broke(self, learner: int, error: str) -> None:
-        """The connection to ``learner`` broke: the server loop decides what that means (a FAILED
-        message); ``broken`` keeps it for a watchdog that cannot wait for that loop (which may be
-        stuck, e.g. on a GPU behind a payload that will never arrive)."""
+        """The connection to ``learner`` broke: the server loop decides what that means (FAILED);
+        ``broken`` keeps it for a watchdog, which cannot wait for that loop (it may be stuck)."""
         self.broken.setdefault(learner, error)
         self.deliver(Message(Kind.FAILED, learner=learner, error=error))
 
     def join(self, timeout: float) -> list[str]:
-        """Wait for the threads; names of those still running after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in self._threads if t.is_alive()]
+        return join_threads(self._threads, timeout)
 
 
 class LearnerEndpoint:
@@ -237,9 +215,8 @@ class LearnerEndpoint:
         return self._local_server is not None
 
     def push_buffer(self, numel: int, dtype: torch.dtype) -> Tensor | None:
-        """Where to pack the next push's payload of ``numel`` values so that it leaves without
-        a copy: a view of the next slot of this learner's lane to the server, or None (no lane,
-        or a payload that travels inside its frame or does not fit a slot)."""
+        """Where to pack the next push's ``numel`` values to leave without a copy: the next slot
+        of this learner's lane to the server, or None (no lane, or a payload it does not carry)."""
         lane, nbytes = self._lanes[0], numel * dtype.itemsize
         if lane is None or not lane.carries(nbytes):
             return None
@@ -268,10 +245,9 @@ class LearnerEndpoint:
                     raise TransportError(f"the server sent a {message.kind.name}, which only shard owners send")
                 self.last_heard = message.received_at
                 if message.kind == Kind.ABORT:
-                    message.error = self.failure = payload_text(message.payload)
-                    self.server_aborted = True
+                    self.failure, self.server_aborted = message.error, True
                 elif message.kind == Kind.INTERRUPT:
-                    message.error = self.interrupted = payload_text(message.payload)
+                    self.interrupted = message.error
                 to = self.owner if message.kind in OWNER_KINDS else self.inbox
                 assert to is not None, "orders come only to a rank with a shard owner"
                 to.put(message)
@@ -281,8 +257,7 @@ class LearnerEndpoint:
             self.inbox.put(Message(Kind.FAILED, error=self.connection_broke(exc)))
 
     def connection_broke(self, exc: BaseException) -> str:
-        """The connection to the server failed with ``exc`` (receiving or sending, whichever
-        noticed first): this learner's failure from now on, which this returns."""
+        """The connection to the server failed with ``exc``: this learner's failure from now on."""
         if self.failure is None:
             self.failure = (f"learner {self.rank}: the connection to the server (rank 0) broke, its "
                             f"process is gone or unreachable: {exc}")

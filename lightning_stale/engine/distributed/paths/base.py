@@ -1,9 +1,6 @@
-"""What a server path is: the operations every path implements, each declared here once.
-
-A path (`ServerPath`) has a learner side (`LearnerSide`), a server side (`ServerSide`), its part
-of a checkpoint (`CheckpointPart`) and a cost model for ``server="auto"`` (`ServerPath.traffic`).
-The registry (`paths.registry`) holds the paths by name; nothing else compares path names.
-"""
+"""What a server path (`ServerPath`) is: a learner side (`LearnerSide`), a server side
+(`ServerSide`), its part of a checkpoint (`CheckpointPart`) and a cost model for ``"auto"``
+(`ServerPath.traffic`). `paths.registry` holds the paths by name; nothing else compares names."""
 
 from __future__ import annotations
 
@@ -41,20 +38,17 @@ class RankOptions:
     shared_memory: bool = True
     overlap: bool = False  # collective path: the all-reduce during backward (the strategy decides)
     shutdown_timeout: float = 60.0
-    # the backend of the device channels (`channels`), None for none
-    channels: str | None = None
-    # the strategy's ``timeout`` (None: torch's default), for the overlap's group as for the
-    # default one: on NCCL, the time after which torch's watchdog ends a collective left waiting
+    channels: str | None = None  # the backend of the device channels (`channels`), None for none
+    # the strategy's ``timeout`` (None: torch's), for the overlap's group as for the default one:
+    # on NCCL, the time after which torch's watchdog ends a collective left waiting
     timeout: datetime.timedelta | None = None
-    # rank 0's server core tells it about pushes, updates and epochs (`replay.EventRecorder`)
-    observer: Any = None
+    observer: Any = None  # told of rank 0's core's pushes, updates, epochs (`replay.EventRecorder`)
 
 
 def spread_path_problem(name: str, on_learner_failure: str,
                         compensation: StalenessCompensation | None) -> str | None:
-    """What a path whose every update needs every learner's process (in an all-reduce, or
-    holding a slice) cannot run: surviving a dead learner, and the "norm" compensation, which
-    needs the parameters in one place. None if neither is asked for."""
+    """What a path whose every update needs every learner's process cannot run: surviving a dead
+    learner, and the "norm" compensation (it needs the parameters in one place); None if neither."""
     if on_learner_failure != "stop":
         return (f"server={name!r} needs every learner's process (in each all-reduce, or holding a "
                 "slice), so a dead learner ends the run: use server='central' with "
@@ -65,11 +59,9 @@ def spread_path_problem(name: str, on_learner_failure: str,
 
 
 class LearnerSide(ABC):
-    """How a learner meets the server on one path (the learner calls these, in this order, for
-    every push: `fill_push` after backward, `carry` where the push waits over an epoch's end,
-    `before_push` and `after_push` around its header's sending; `resolve` then `take` for
-    every message that brings parameters; `close` at the end). The hooks with a body do nothing
-    unless a path needs them to."""
+    """How a learner meets the server on one path: per push `fill_push` after backward, `carry`
+    over an epoch's end, `before_push` and `after_push` around its header's sending; `resolve`
+    then `take` per message with parameters; `close` at the end. Hooks with a body do nothing."""
 
     # The LR schedulers this side steps (where every learner applies updates); None: elsewhere.
     schedules: Schedules | None = None
@@ -98,22 +90,18 @@ class LearnerSide(ABC):
         """The push's header has left; the answer has not been waited for yet."""
 
     def resolve(self, message: Message, check: Callable[[], None]) -> None:
-        """Complete a message's parameters where they come in parts (``check`` raises if the run
-        failed while waiting)."""
+        """Complete a message's parameters where they come in parts (``check`` raises on failure)."""
 
     def close(self, timeout: float, failed: bool = False) -> list[str]:
-        """After the stop (``failed``: after a failure): release what the side holds; the names
-        of threads still running after ``timeout`` seconds."""
+        """After the stop (or a failure): release what the side holds; the threads still running."""
         return []
 
     def release(self) -> None:
-        """The module loses whatever this side hooked on it (the strategy's teardown, after a
-        failure too)."""
+        """The module loses whatever this side hooked on it (at teardown, after a failure too)."""
 
 
 class ServerSide(ABC):
-    """What the server's messages carry on one path (the server thread calls these); the hooks
-    with a body do nothing unless a path needs them to."""
+    """What the server's messages carry on one path (hooks with a body do nothing)."""
 
     @abstractmethod
     def contribution(self, message: Message) -> Any:
@@ -154,30 +142,51 @@ class CheckpointView:
 
 
 class CheckpointPart:
-    """A path's part of a checkpoint written on rank 0: the module's and optimizer's state as
-    the server has it, and the server's books (``"stale_server"``: version, updates, epoch,
-    samples, the LR schedulers), the same format on every path, so a run resumes on any path.
-    By default the module and optimizer already hold them (nothing to add)."""
+    """A path's part of a checkpoint on rank 0: the module's and optimizer's state as the server
+    has it, and its books (``"stale_server"``), in one format on every path, so a run resumes on
+    any path. `read` takes the three at one instant: Lightning reads the parts one after the
+    other while the server steps on. By default (None) the module and optimizer hold them."""
 
     def __init__(self, view: CheckpointView) -> None:
         self.view = view
+        self._held: tuple[dict, dict, dict] | None = None
 
     @property
     def live(self) -> bool:
         """Training has not finished: the server's state is not the module's yet."""
         return not self.view.finished()
 
+    def read(self) -> tuple[dict, dict, dict] | None:
+        """The server's named state, optimizer state and books at one instant, copied; None: nothing."""
+        return None
+
+    def _instant(self) -> tuple[dict, dict, dict] | None:
+        if not self.live:
+            return None
+        if self._held is None:
+            self._held = self.read()
+        return self._held
+
     def module_state(self, state_dict: dict) -> dict:
         """``state_dict`` (the module's own) with the server's parameters and buffers."""
+        self._held = None  # a checkpoint begins here: its instant is now
+        instant = self._instant()
+        if instant is not None:
+            state_dict.update(instant[0])
         return state_dict
 
     def optimizer_state(self, own: dict) -> dict:
         """The optimizer's state as the server has it (``own``: rank 0's optimizer's)."""
-        return own
+        instant = self._instant()
+        return own if instant is None else instant[1]
 
     def engine_state(self) -> dict:
         """The server's books, matching the parameters saved beside them."""
-        return self.view.server.state_dict()
+        saved, instant = self.view.server.state_dict(), self._instant()
+        self._held = None  # the next checkpoint reads anew
+        if instant is not None:
+            saved.update(instant[2])
+        return saved
 
     def finish(self) -> None:
         """After the stop: rank 0's optimizer takes the server's final state."""
@@ -216,13 +225,10 @@ class ServerPath(ABC):
     """One way the server applies updates (see the module docstring)."""
 
     name: ClassVar[str]
-    # Whether pushes and answers carry the model through the server's endpoints (then the
-    # endpoints take the payload routes: shared-memory lanes, device channels).
+    # pushes and answers carry the model through the server's endpoints (on lanes, channels)
     payloads_through_server: ClassVar[bool] = False
-    # Whether every learner starts from rank 0's parameters by a broadcast (as DDP does).
-    broadcasts_start: ClassVar[bool] = True
-    # Whether every learner steps the optimizer on every update, so that rank 0's optimizer
-    # holds the server's optimizer state after the fit.
+    broadcasts_start: ClassVar[bool] = True  # every learner starts from rank 0's parameters, as DDP
+    # every learner steps on every update: rank 0's optimizer holds the server's state after the fit
     learners_step_optimizer: ClassVar[bool] = False
 
     @abstractmethod
@@ -232,9 +238,7 @@ class ServerPath(ABC):
 
     @abstractmethod
     def traffic(self, numel: int, p: int, k: int) -> float:
-        """Values a rank sends and receives per update (the busiest rank's, where they differ),
-        for N = ``numel`` values, P learners and K gradients per update; times the element
-        size, bytes."""
+        """Values the busiest rank moves per update, for N = ``numel``, P learners, K gradients."""
 
     @abstractmethod
     def channel_pairs(self, p: int) -> list[tuple[int, int]]:
@@ -245,8 +249,7 @@ class ServerPath(ABC):
         """This rank's part of the path (`RankParts`); collective where the path needs it."""
 
     def overlaps(self, variant: Variant, adaptive: AdaptiveK | None) -> bool:
-        """Whether the learners can reduce their gradients during backward (every update then
-        takes one gradient from every learner)."""
+        """Whether the learners can reduce their gradients during backward."""
         return False
 
     def checkpoint(self, view: CheckpointView) -> CheckpointPart:

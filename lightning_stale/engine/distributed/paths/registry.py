@@ -1,12 +1,6 @@
 """The server paths by name, and the one place that decides which runs (``server=`` of
-`StaleStrategy`; docs/concepts/paths.md describes each path).
-
-``"auto"`` (`choose_path`): collective for the sync family from ``SCALE_MIN_NUMEL`` values (from
-``ONE_HOST_COLLECTIVE_MIN_NUMEL`` or ``CROWDED_HOST_COLLECTIVE_MIN_NUMEL`` where CPU learners on one
-host share memory with rank 0), sharded for the async family once central's traffic at rank 0
-(`ServerPath.traffic`) reaches ``2 * SHARDED_MIN_TRAFFIC`` and, on one host, P reaches
-``ONE_HOST_SHARDED_MIN_P``; central otherwise. docs/benchmarks/scaling.md holds the measurements.
-"""
+`StaleStrategy`; docs/concepts/paths.md describes each path, docs/benchmarks/scaling.md holds the
+measurements behind the thresholds of ``"auto"``)."""
 
 from __future__ import annotations
 
@@ -32,24 +26,18 @@ CENTRAL, COLLECTIVE, SHARDED = CentralPath(), CollectivePath(), ShardedPath()
 PATHS: dict[str, ServerPath] = {path.name: path for path in (CENTRAL, COLLECTIVE, SHARDED)}
 SERVER_PATHS = ("auto", *PATHS)
 
-# Below this many values per exchange a round trip through rank 0 costs less than spreading the
-# traffic (docs/benchmarks/scaling.md).
+# Below this many values a round trip through rank 0 costs less than spreading the traffic.
 SCALE_MIN_NUMEL = 1 << 18
-# CPU learners on one host with shared memory: the sync family stays central below this, where
-# rank 0's round trips through shared memory beat P optimizer steps (docs/benchmarks/scaling.md).
+# CPU learners on one host sharing memory: the sync family stays central below this, where rank
+# 0's round trips through shared memory beat P optimizer steps;
 ONE_HOST_COLLECTIVE_MIN_NUMEL = 1 << 21
-# The same where the learners outnumber the host's cores: there the collective path's P optimizer
-# steps (one per learner) compete for the cores, where rank 0 steps once for everyone
-# (docs/benchmarks/scaling.md).
+# below this where the learners outnumber the cores (P optimizer steps compete for them).
 CROWDED_HOST_COLLECTIVE_MIN_NUMEL = 1 << 23
 # The async family stays central until N x (P - 1), half of central's values at rank 0 per P
-# gradients, reaches this: below it the central server kept up with the sharded one
-# (docs/benchmarks/scaling.md).
+# gradients, reaches this (below it the central server kept up with the sharded one),
 SHARDED_MIN_TRAFFIC = 1 << 24
-# On one host the async family stays central below this many learners (docs/benchmarks/scaling.md).
-ONE_HOST_SHARDED_MIN_P = 8
-# The most processes whose NCCL channels keep their CUDA streams apart: a process holds up to
-# 2(P - 1) channels, each on an engine stream beside the engine's others (`streams.engine_streams_needed`).
+ONE_HOST_SHARDED_MIN_P = 8  # and, on one host, below this many learners.
+# The most processes whose NCCL channels keep their streams apart (up to 2(P - 1) per process).
 MAX_CHANNEL_WORLD = next(p for p in range(64, 1, -1)
                          if streams.engine_streams_needed(2 * (p - 1)) <= streams.STREAMS_PER_POOL)
 
@@ -83,10 +71,7 @@ def channel_pairs(path: str, p: int) -> list[tuple[int, int]]:
 
 
 def central_if_memory_is_shared(variant: Variant, numel: int, nodes: int, cpu_cores: int | None) -> bool:
-    """Whether ``"auto"`` runs this model central provided that every remote learner shares memory with rank 0
-    (`lanes`): the sync family, CPU learners (``cpu_cores``: the host's cores, None on GPUs) on one host, from
-    ``SCALE_MIN_NUMEL`` values to ``ONE_HOST_COLLECTIVE_MIN_NUMEL``, or to ``CROWDED_HOST_COLLECTIVE_MIN_NUMEL``
-    where the learners outnumber the cores."""
+    """Whether ``"auto"`` runs this model central where every remote learner shares memory."""
     if not variant.synchronous or nodes != 1 or cpu_cores is None or variant.p == 1:
         return False
     limit = CROWDED_HOST_COLLECTIVE_MIN_NUMEL if variant.p > cpu_cores else ONE_HOST_COLLECTIVE_MIN_NUMEL
@@ -96,9 +81,9 @@ def central_if_memory_is_shared(variant: Variant, numel: int, nodes: int, cpu_co
 def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str,
                 compensation: StalenessCompensation | None, clips: bool = False, nodes: int = 1,
                 cpu_cores: int | None = None, memory_shared: bool = False) -> str:
-    """The path to run (see the module docstring; ``nodes``: the hosts the learners run on;
-    ``cpu_cores``: the host's cores where the learners run on CPU, else None; ``memory_shared``:
-    every remote learner shares memory with rank 0); a refusal names what to use instead."""
+    """The path to run (``"auto"``: collective for the sync family, sharded for the async one,
+    where the thresholds above say, else central; ``nodes``: the learners' hosts); a refusal names
+    what to use instead."""
     if path != "auto":
         check_path(path, variant.name, on_learner_failure, compensation, clips)
         return path
@@ -118,8 +103,7 @@ def choose_path(path: str, variant: Variant, numel: int, on_learner_failure: str
 def settle_path(path: str, variant: Variant, module: nn.Module, group, rank: int, on_learner_failure: str,
                 compensation: StalenessCompensation | None, clips: bool = False, nodes: int = 1,
                 shared_memory: bool = True, cpu: bool = True) -> tuple[str, dict | None]:
-    """The path to run, the same on every rank (`choose_path`), and the central path's lanes
-    where they were opened to decide it, for `build_rank` (collective over ``group`` then)."""
+    """`choose_path`, the same on every rank, and the lanes opened to decide it (collective)."""
     vectors = ModelVectors.of(module)
     cores = (os.cpu_count() or 1) if cpu else None  # the host's: the same on every rank of it
     lanes = None
@@ -152,37 +136,29 @@ def channel_backend(wanted: bool, path: str, world: int, default_backend: str | 
                      "process_group_backend='nccl', or pass payload_channels=False (the default)")
 
 
-def levels_agree(group, device: torch.device) -> bool:
-    """`streams.separate_levels` on every rank of ``group`` (collective): the ranks decide
-    alike whether to open the channels, whose groups every rank creates."""
-    flag = torch.tensor([int(streams.separate_levels(device))])
-    if group is not None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
 def settle_channels(wanted: bool, path: str, world: int, default_backend: str | None, device: torch.device,
                     on_learner_failure: str, push_bytes: int, group) -> str | None:
-    """`channel_backend`, asking every rank for its stream levels (`levels_agree`, collective)
-    only where NCCL channels would open: the same answer on every rank."""
+    """`channel_backend`, where NCCL channels would open with every rank's `streams.separate_levels`
+    (collective over ``group``): the ranks decide alike, as every rank creates the channels' groups."""
     backend = channel_backend(wanted, path, world, default_backend, device, on_learner_failure, push_bytes)
-    if backend == "nccl" and not levels_agree(group, device):
+    if backend == "nccl":
+        flag = torch.tensor([int(streams.separate_levels(device))])
+        if group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         backend = channel_backend(wanted, path, world, default_backend, device, on_learner_failure, push_bytes,
-                                  separate_levels=False)
+                                  separate_levels=bool(flag.item()))
     return backend
 
 
 def overlap_wanted(setting: bool | None, default_backend: str | None) -> bool:
-    """`StaleStrategy`'s ``overlap_allreduce``: None (the default) overlaps where the default group
-    runs on gloo, not on NCCL, where the overlap's own communicator beside the default one has
-    not run on several GPUs yet (what has never run is no default); True or False as given."""
+    """``overlap_allreduce``: None overlaps on gloo, not on NCCL, where the overlap's own communicator
+    beside the default one has not run on several GPUs yet (what never ran is no default)."""
     return default_backend != "nccl" if setting is None else setting
 
 
 def overlap_allreduce(setting: bool | None, default_backend: str | None, path: str, variant: Variant,
                       adaptive: AdaptiveK | None, plain_steps: bool) -> bool:
-    """Whether the learners reduce their gradients during backward: wanted (`overlap_wanted`), on
-    a path that can (`ServerPath.overlaps`), with ``plain_steps`` (one backward per push, no
-    scaler to undo, automatic optimization: a round's gradient is then the one pushed)."""
+    """Whether the learners reduce during backward: wanted, on a path that can, with ``plain_steps``
+    (one backward per push, no scaler, automatic optimization: a round's gradient is the one pushed)."""
     return (overlap_wanted(setting, default_backend) and plain_steps
             and path_named(path).overlaps(variant, adaptive))

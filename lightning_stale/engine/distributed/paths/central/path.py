@@ -28,8 +28,7 @@ from lightning_stale.method.rules import Decision
 
 
 class CentralExchange(LearnerSide):
-    """How a learner meets a server that holds the parameters: a push carries the gradient (and the learner's
-    buffers), new parameters arrive as a vector."""
+    """A learner meets a server holding the parameters: gradients go, parameters come."""
 
     def __init__(self, vectors: ModelVectors,
                  buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
@@ -37,8 +36,7 @@ class CentralExchange(LearnerSide):
         self.vectors, self.buffer, self.device = vectors, buffer, device
 
     def fill_push(self, message: Message) -> None:
-        """The gradient, taken when the mini-batch's computation ends; packed straight into
-        shared memory where ``buffer`` (`LearnerEndpoint.push_buffer`) offers a place."""
+        """The gradient, packed straight into shared memory where ``buffer`` offers a place."""
         buffer, dtype = self.buffer, self.vectors.dtype
         place = None if buffer is None else (lambda numel: buffer(numel, dtype))
         message.payload, masked = self.vectors.push_vector(device=self.device, out=place)
@@ -55,8 +53,7 @@ class CentralExchange(LearnerSide):
 
 
 class CentralPayloads(ServerSide):
-    """What travels when the server holds the parameters: a push carries the gradient (split by ``vectors``), and
-    every message that refreshes, pauses or stops a learner carries the server's parameters and buffers."""
+    """Pushes carry gradients; refreshes, epoch ends and stops the server's parameters."""
 
     def __init__(self, vectors: ModelVectors,
                  place_for: Callable[[int, int, torch.dtype], torch.Tensor | None] | None = None,
@@ -101,10 +98,9 @@ class CentralPath(ServerPath):
         return None
 
     def traffic(self, numel: int, p: int, k: int) -> float:
-        """Rank 0 receives a gradient (N values) from each of the K pushes of an update and sends
-        parameters (N values) back; one push in P is its own learner's, which crosses no link:
-        2N K (P - 1) / P values, so 2N(P - 1) per P gradients, P times a ring all-reduce's
-        share (Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms", 2009)."""
+        """Rank 0 gets N values from each of K pushes and sends N back, one push in P crossing no link:
+        2N K (P - 1) / P, P times a ring all-reduce's share per P gradients (Patarasuk and Yuan,
+        "Bandwidth optimal all-reduce algorithms", 2009)."""
         return 2 * numel * k * (p - 1) / p
 
     def channel_pairs(self, p: int) -> list[tuple[int, int]]:
@@ -127,40 +123,17 @@ class CentralPath(ServerPath):
 
 
 class CentralCheckpoint(CheckpointPart):
-    """The server's `ServerState` on rank 0, read at one instant for all the parts of one
-    checkpoint, which Lightning reads one after the other while the server steps on."""
+    """The server's `ServerState` on rank 0."""
 
-    def __init__(self, view: CheckpointView) -> None:
-        super().__init__(view)
-        self._held: tuple[dict, dict, dict] | None = None
-
-    def module_state(self, state_dict: dict) -> dict:
-        if not self.live:
-            return state_dict
-        self._held = None  # a checkpoint begins here: its instant is now
-        state_dict.update(self._instant()[0])
-        return state_dict
-
-    def optimizer_state(self, own: dict) -> dict:
-        return self._instant()[1] if self.live else own
-
-    def engine_state(self) -> dict:
-        saved = self._instant()[2] if self.live else self.view.server.state_dict()
-        self._held = None  # the next checkpoint reads anew
-        return saved
+    def read(self) -> tuple[dict, dict, dict]:
+        """Copied: the server steps in place once its lock is released."""
+        server: Any = self.view.server
+        with server.reading():
+            state = server.core.state
+            return (state.named_state(self.view.module), copy.deepcopy(state.optimizer.state_dict()),
+                    copy.deepcopy(server.core.state_dict()))
 
     def finish(self) -> None:
         server = self.view.server
         with server.reading():
             self.view.optimizer().load_state_dict(server.core.state.optimizer.state_dict())
-
-    def _instant(self) -> tuple[dict, dict, dict]:
-        """The server's parameters, optimizer state and books at one instant, copied (the server
-        steps in place once its lock is released)."""
-        if self._held is None:
-            server: Any = self.view.server
-            with server.reading():
-                state = server.core.state
-                self._held = (state.named_state(self.view.module), copy.deepcopy(state.optimizer.state_dict()),
-                              copy.deepcopy(server.core.state_dict()))
-        return self._held

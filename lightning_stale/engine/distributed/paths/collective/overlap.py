@@ -2,11 +2,10 @@
 "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020).
 
 Where every update takes one gradient from every learner (Fully sync, K-sync with K = P), each
-gradient is copied, weighted 1/P, into a bucket as backward produces it and a full bucket goes
-round the all-reduce at once; buffers and the presence mask follow when backward ends. Buckets
-are cut at tensor boundaries and launched in one order, so all learners issue the same
-all-reduces; a learner arms a round only when the server says the next update takes every
-learner, and at the end the rounds a stop cut short run with zeros (docs/concepts/paths.md).
+gradient goes, weighted 1/P, into a bucket as backward produces it, a full bucket round the
+all-reduce at once; buffers and presence mask follow. Buckets, cut at tensor boundaries, launch in
+one order on every learner; a round is armed when the server says the next update takes every
+learner, and the rounds a stop cut short run with zeros at the end (docs/concepts/paths.md).
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ BUCKET_BYTES = 25 << 20
 
 def bucket_ranges(sizes: list[int], element_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES,
                   bytes_per_bucket: int = BUCKET_BYTES) -> list[tuple[int, int]]:
-    """Runs of parameter indices [lo, hi), from the last parameter back to the first, each
-    bucket closed once it holds ``first_bytes`` (the first) or ``bytes_per_bucket`` (the rest)."""
+    """Runs of parameter indices [lo, hi), from the last back, each closed once it holds
+    ``first_bytes`` (the first) or ``bytes_per_bucket``."""
     ranges: list[tuple[int, int]] = []
     hi, held = len(sizes), 0
     for i in reversed(range(len(sizes))):
@@ -52,11 +51,10 @@ class OverlappedAllReduce:
             self._offsets.append(self._offsets[-1] + size)
         element = torch.empty(0, dtype=vectors.dtype).element_size()
         self._ranges = bucket_ranges(sizes, element, first_bucket_bytes, bucket_bytes)
-        # Every rank builds this at set-up: first all-reduces now have NCCL create the group's
-        # communicator here, beside nothing, not during the first backward (creating one
-        # allocates device memory, which can wait for kernels already running); one of the
-        # first bucket's size and one of the largest, as NCCL connects the algorithms and
-        # protocols it picks by size at their first use (NCCL_RUNTIME_CONNECT, NCCL >= 2.22).
+        # All-reduces now, at set-up, have NCCL create the communicator beside nothing, not in the
+        # first backward (it allocates device memory, which can wait for running kernels); of the
+        # first bucket's size and the largest, as NCCL connects the algorithms it picks by size
+        # at their first use (NCCL_RUNTIME_CONNECT, NCCL >= 2.22).
         spans = [self._offsets[hi] - self._offsets[lo] for lo, hi in self._ranges] or [1]
         for numel in sorted({max(1, spans[0]), max(spans)}):
             dist.all_reduce(torch.zeros(numel, dtype=vectors.dtype, device=device), group=group)
@@ -65,8 +63,7 @@ class OverlappedAllReduce:
             for i in range(lo, hi):
                 self._bucket_of[i] = b
         size = vectors.state_numel + len(sizes)
-        # Two vectors, used in turn: after an update the parameters' .grad are views of the
-        # one just reduced, so the next round fills the other.
+        # Two vectors in turn: after an update the .grad are views of the one just reduced.
         self._vectors = [torch.zeros(size, dtype=vectors.dtype, device=device) for _ in range(2)]
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(vectors.params)]
@@ -119,9 +116,8 @@ class OverlappedAllReduce:
             self._works.append(dist.all_reduce(self._vector[a:z], group=self.group, async_op=True))
 
     def finish(self) -> bool:
-        """After backward: the rest of the round (gradients backward did not reach are zeros and
-        absent from the mask; the buffers as the forward pass left them). False where this
-        backward was not a round."""
+        """After backward: the rest of the round (gradients not reached are zeros, absent from the
+        mask; the buffers as forward left them); False where this backward was no round."""
         if not self.armed:
             return False
         self.armed = False
@@ -141,8 +137,7 @@ class OverlappedAllReduce:
         return True
 
     def result(self) -> Tensor:
-        """The last round's average (its all-reduces waited for); the parameters' .grad may be
-        views of it until the round after next."""
+        """The last round's average (waited for); the .grad may view it until the round after next."""
         self._wait()
         return self._vector
 
@@ -156,9 +151,8 @@ class OverlappedAllReduce:
             work.wait()
 
     def balance(self, timeout: float) -> None:
-        """At the end, on every learner: the rounds the others launched and this one did not
-        (it heard the stop before that backward) are run with zeros, then every all-reduce is
-        waited for."""
+        """At the end: rounds the others launched and this learner did not (it heard the stop
+        first) run with zeros, then every all-reduce is waited for."""
         self.armed = False
         for _ in range(self._most_rounds(timeout) - self.rounds):
             self._vector = self._vectors[self.rounds % 2]
@@ -176,9 +170,8 @@ class OverlappedAllReduce:
         return int(count)
 
     def close(self, timeout: float) -> None:
-        """The clean end: rounds balanced (`balance`), the hooks removed, the two groups
-        destroyed (after a failure they are left to the process's exit, as the server's group:
-        destroying a group under a blocked collective aborts the process)."""
+        """The clean end: rounds balanced, hooks removed, the groups destroyed (after a failure they
+        are left to the exit: destroying a group under a blocked collective aborts the process)."""
         self.balance(timeout)
         self.release()
         for group in (self.group, self.control_group):

@@ -1,12 +1,8 @@
-"""The collective path (`paths.base.ServerPath`), the sync family at scale: the K gradients of an
-update meet in one all-reduce.
-
-Every update of the sync family refreshes every learner, so every learner holds the parameters
-and applies the update, as DDP does: an all-reduce per update instead of every vector through
-rank 0. The server decides from headers and tells each learner how many of its gradients the
-update takes; the learners sum them (weighted 1/K), all-reduce and step alike. The cost: an
-update waits for a learner inside its forward or backward (docs/concepts/paths.md).
-"""
+"""The collective path, the sync family at scale: every update refreshes every learner, so every
+learner holds the parameters and applies the update, as DDP does, the K gradients meeting in one
+all-reduce. The server decides from headers and tells each learner how many of its gradients the
+update takes; they sum them (weighted 1/K), all-reduce and step alike. The cost: an update waits
+for a learner inside its forward or backward (docs/concepts/paths.md)."""
 
 from __future__ import annotations
 
@@ -51,15 +47,13 @@ def update_payload(update: Update, p: int, overlap_next: bool = False) -> Tensor
 
 
 class CollectivePayloads(ServerSide):
-    """The server's side of the collective path: pushes are headers, and a refresh (every learner, at every update of
-    the sync family) carries `update_payload`; nothing else carries parameters, since every learner holds them."""
+    """The server's side: pushes are headers, a refresh carries `update_payload`, nothing parameters."""
 
     def __init__(self, overlap: bool = False) -> None:
         self.overlap = overlap
 
     def contribution(self, message: Message) -> None:
-        """Nothing: the gradient stays with its learner until the update's all-reduce."""
-        return None
+        return None  # the gradient stays with its learner until the update's all-reduce
 
     def fill(self, message: Message, core, decision) -> None:
         # (a stop carries the update that stopped training, if one did: max_steps, max_epochs)
@@ -102,28 +96,23 @@ class CollectiveExchange(LearnerSide):
                          if vectors.buffers else None)
 
     def fill_push(self, message: Message) -> None:
-        """Nothing yet: the gradient stays here, and only the header travels, so the gradients are packed after the
-        header has left (`after_push`), while the server decides."""
+        """Nothing yet: only the header travels; the gradient is packed once it left (`after_push`)."""
         self._in_round = self.overlap is not None and self.overlap.finish()
         if self._in_round and self._integers:
             self._own_integers = torch.cat([b.detach().reshape(-1).to(self.device, self.vectors.dtype)
                                             for b in self.vectors.buffers if not b.is_floating_point()])
 
     def carry(self, message: Message) -> None:
-        """The push waits over an epoch's end and leaves after validation, before which Lightning zeroes the gradients
-        (and a mini-batch the loader had fetched may run one more backward): its gradient is packed now, onto the
-        message, until `before_push` takes it off again."""
+        """Lightning zeroes the gradients before validation (and one more backward may run): the
+        gradient is packed onto the message now, until `before_push` takes it off again."""
         if message.payload is None and not (message.flags & Flag.UNUSABLE or self._in_round):
             message.payload = self._pack()
 
     def before_push(self, message: Message) -> None:
-        """Only the header travels; a gradient packed when the push was carried is kept here."""
         self._carried, message.payload = message.payload, None  # only the header travels
 
     def after_push(self, message: Message) -> None:
-        """The gradient, packed now (or when the push was carried) and kept until an update takes
-        it. (An unusable push, e.g. a 16-mixed overflow, has none: the server drops it, no update
-        takes it.)"""
+        """The gradient, packed now (or when carried), kept until an update takes it."""
         carried, self._carried = self._carried, None
         if message.flags & Flag.UNUSABLE:
             return
@@ -138,24 +127,20 @@ class CollectiveExchange(LearnerSide):
         return vector
 
     def resolve(self, message: Message, check) -> None:
-        """An epoch's end: validation runs on the parameters and buffers of the last update (the
-        parameters are the module's own: they change only in `take`)."""
+        """An epoch's end: validation runs on the last update's parameters (the module's own) and buffers."""
         if message.kind == Kind.EPOCH and self._settled is not None:
             state = self.vectors.state_vector()
             state[self.vectors.numel:] = self._settled.to(state.device)
             message.payload = state
 
     def close(self, timeout: float, failed: bool = False) -> list[str]:
-        """Every learner's overlapped rounds complete (`OverlappedAllReduce.close`); after a
-        failure only the hooks go: balancing the rounds is a collective of every learner, one
-        of which may be dead (it would fail, or wait, and put its error in place of the one that
-        ended the run), and the groups are left to the process's exit."""
+        """The overlapped rounds complete (`OverlappedAllReduce.close`); after a failure only the
+        hooks go: balancing is a collective of every learner, one of which may be dead."""
         if self.overlap is not None:
             self.overlap.release() if failed else self.overlap.close(timeout)
         return []
 
     def release(self) -> None:
-        """The module loses the hooks (the strategy's teardown, after a failure too)."""
         if self.overlap is not None:
             self.overlap.release()
 
@@ -163,7 +148,7 @@ class CollectiveExchange(LearnerSide):
         """An update: add this learner's share, all-reduce, step."""
         if message.payload is None:
             if message.kind == Kind.STOP and self._settled is not None:
-                self._load_buffers(self._settled)
+                self.vectors.load_buffers(self._settled)
             return
         if message.kind not in (Kind.PARAMS, Kind.STOP):
             return
@@ -193,7 +178,7 @@ class CollectiveExchange(LearnerSide):
         buffers = reduced[n:s]
         for (a, z), value in zip(self._integers, largest):
             buffers[a - n:z - n] = value
-        self._load_buffers(buffers)
+        self.vectors.load_buffers(buffers)
         if self._settled is not None:
             self._settled.copy_(buffers)
         self.schedules.after_update(message.version)
@@ -218,17 +203,8 @@ class CollectiveExchange(LearnerSide):
             raise RuntimeError(f"learner {self.rank}: the server's update {payload[:1 + p].tolist()} "
                                "does not take the overlapped round of every learner")
 
-    def _load_buffers(self, flat: Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for b in self.vectors.buffers:
-                part = flat[offset:offset + b.numel()].view_as(b)
-                b.copy_(part.round() if not b.is_floating_point() else part)
-                offset += b.numel()
-
     def _largest_integers(self, taken: list[Tensor], own: Tensor | None = None) -> list[Tensor]:
-        """Integer buffers (e.g. BatchNorm's batch count) take the largest pushed value (``own``:
-        this learner's, where its gradient went round during backward)."""
+        """Integer buffers (BatchNorm's count) take the largest pushed value."""
         if not self._integers:
             return []
         sizes = [z - a for a, z in self._integers]
@@ -255,9 +231,8 @@ class CollectivePath(ServerPath):
         return spread_path_problem(self.name, on_learner_failure, compensation)
 
     def traffic(self, numel: int, p: int, k: int) -> float:
-        """A ring all-reduce of the N-value sum: each rank sends and receives N(P - 1)/P values in
-        its reduce-scatter and as many in its all-gather, 2N(P - 1)/P, whatever K (Patarasuk and
-        Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", 2009)."""
+        """A ring all-reduce: N(P - 1)/P values each way in its reduce-scatter and all-gather, whatever
+        K (Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", 2009)."""
         return 2 * numel * (p - 1) / p
 
     def channel_pairs(self, p: int) -> list[tuple[int, int]]:
@@ -287,8 +262,7 @@ class CollectivePath(ServerPath):
 
 
 class CollectiveCheckpoint(CheckpointPart):
-    """Every learner holds the model, rank 0's too: its module and optimizer are the checkpoint's,
-    and its version and schedulers are the books'."""
+    """Rank 0's learner holds the model: its module, optimizer, version and schedulers are saved."""
 
     def engine_state(self) -> dict:
         saved = self.view.server.state_dict()

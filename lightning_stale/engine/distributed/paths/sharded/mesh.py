@@ -6,32 +6,24 @@ gloo group, so that a slow transfer never holds another; `close` ends them.
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 
 from lightning_stale.engine.distributed.channels import Channel, carried
-from lightning_stale.engine.distributed.frames import FRAME_BYTES, receiver_name, recv, send
+from lightning_stale.engine.distributed.frames import FRAME_BYTES, join_threads, peer_threads, recv, send
 from lightning_stale.engine.distributed.messages import Kind, ShardData, TransportError
 
 DATA, DATA_PAYLOAD = 31, 32  # tags: data between ranks (not the server's control traffic)
 
 
 class DataMesh:
-    """Args:
-        group: the gloo group of server traffic.
-        rank, p: this rank and the number of ranks.
-        deliver: called with (sending rank, message) for every message received (from the
-            receiving threads, or at once for a message to oneself).
-        max_numel: the largest payload a peer may send.
-        broken: called with (peer, error) when receiving from or sending to a peer fails.
-        channels: this rank's device channels by (sender, receiver) (`channels`), if any: a
-            payload on a CUDA device then goes to its peer device to device.
-
-    Nothing moves before `start` (a peer's sends wait for this rank's receives).
-    """
+    """This rank's connections to the other ``p - 1`` on ``group`` (the server's gloo group):
+    ``deliver(sender, message)`` gets every message (a message to oneself at once),
+    ``broken(peer, error)`` every failure, a payload on a CUDA device goes on the device
+    ``channels`` where there are any. Nothing moves before `start` (a peer's sends wait for this
+    rank's receives)."""
 
     def __init__(self, group, rank: int, p: int, deliver: Callable[[int, ShardData], None],
                  max_numel: int, broken: Callable[[int, str], None],
@@ -40,16 +32,10 @@ class DataMesh:
         self.channels = channels or {}
         self._max_numel, self._broken = max_numel, broken
         self._outboxes: dict[int, queue.Queue[ShardData]] = {peer: queue.Queue() for peer in range(p) if peer != rank}
-        self._threads = []
-        for peer in self._outboxes:
-            self._threads += [
-                threading.Thread(target=self._send_loop, args=(peer,), daemon=True, name=f"stale-mesh-send-{peer}"),
-                threading.Thread(target=self._receive_loop, args=(peer,), daemon=True,
-                                 name=receiver_name("mesh", peer))]
+        self._threads = peer_threads("mesh", self._outboxes, self._send_loop, self._receive_loop)
 
     def payload_device(self, device: torch.device) -> torch.device | None:
-        """Where a payload for the peers is made: on ``device`` (the module's) where it goes
-        device to device on the channels, else None (host memory)."""
+        """Where a payload for the peers is made: the device where channels carry it, else host."""
         return device if self.channels else None
 
     @property
@@ -74,10 +60,7 @@ class DataMesh:
             outbox.put(ShardData(Kind.RETIRE))
 
     def join(self, timeout: float) -> list[str]:
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in self._threads if t.is_alive()]
+        return join_threads(self._threads, timeout)
 
     def _send_loop(self, peer: int) -> None:
         outbox = self._outboxes[peer]

@@ -1,12 +1,7 @@
-"""The sharded path: every rank owns a slice of the parameters, so no rank carries them all.
-
-The trainable tensors are cut into P runs at tensor boundaries; rank o's owner thread holds run o,
-its optimizer state and schedulers. The server on rank 0 decides from headers and orders every
-owner to APPLY an update (naming each gradient's (learner, seq) and weight) or to SEND a learner
-its slice; learners send each owner its piece of a push. Per update a rank moves about N(P-1)/P
-values each way (docs/benchmarks/scaling.md). A dead process takes its slice with it, so the
-run stops; clipping and the "norm" compensation are refused (docs/concepts/paths.md).
-"""
+"""A shard owner: the trainable tensors cut into P runs at tensor boundaries, rank o's owner
+thread holding run o, its optimizer state and schedulers, and following the server's orders: APPLY
+an update (each gradient's (learner, seq) and weight), SEND a learner its slice. A dead process
+takes its slice with it, so the run stops (docs/concepts/paths.md)."""
 
 from __future__ import annotations
 
@@ -67,16 +62,18 @@ class ShardLayout:
             parts.append(presence[self.tensors[owner].start:self.tensors[owner].stop])
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # a view: the push is not reused
 
+    def _parts(self, slices: Sequence[Tensor]) -> list[Tensor]:
+        """The owners' slices cut into their parameters, then the buffers (at the end of owner 0's)."""
+        return [s[:z - a] for s, (a, z) in zip(slices, self.spans)] + [slices[0][self.spans[0][1] - self.spans[0][0]:]]
+
     def join(self, slices: Sequence[Tensor]) -> Tensor:
-        """The parameters-and-buffers vector of the owners' slices (owner 0's ends with the buffers)."""
-        params = [s[:z - a] for s, (a, z) in zip(slices, self.spans)]
-        return torch.cat(params + [slices[0][self.spans[0][1] - self.spans[0][0]:]])
+        """The parameters-and-buffers vector of the owners' slices."""
+        return torch.cat(self._parts(slices))
 
     def load(self, vectors: ModelVectors, slices: Sequence[Tensor]) -> None:
         """`join` then ``vectors.load_state``, with one copy instead of two."""
-        buffers = slices[0][self.spans[0][1] - self.spans[0][0]:]
-        parts = [s[:z - a] for s, (a, z) in zip(slices, self.spans)] + ([buffers] if vectors.buffers else [])
-        vectors.load_parts(parts)
+        parts = self._parts(slices)
+        vectors.load_parts(parts if vectors.buffers else parts[:-1])
 
 
 @dataclass(frozen=True)
@@ -97,20 +94,17 @@ class ShardOwner:
         self._pieces: dict[tuple[int, int], ShardData] = {}
         self._arrived = threading.Condition()
         self._mesh_failure: str | None = None
-        # On a GPU the owner works on a stream of its own: on the default one, its copies to the
-        # host would queue behind this rank's collectives (`engine.streams`).
+        # its own stream: on the default one its copies would queue behind collectives (`streams`)
         self.stream = streams.side_stream(state.vectors.device, streams.OWNER)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"stale-shard-{rank}")
 
     def start(self, endpoint, server=None) -> None:
-        """Follow the orders arriving in ``commands``; ``endpoint`` is this rank's learner
-        endpoint (its failure ends the wait; a failure of the owner is reported through it),
-        ``server`` the server on rank 0."""
+        """Follow the orders in ``commands``; a failure of ``endpoint`` (this rank's learner's) or
+        ``server`` (rank 0's) ends it, and the owner's is reported through them."""
         self._endpoint, self._server = endpoint, server
         self._thread.start()
 
-    def broken(self, error: str) -> None:
-        """A data connection of this rank broke."""
+    def broken(self, error: str) -> None:  # a data connection of this rank broke
         self._mesh_failure = error
 
     def failure(self) -> str | None:

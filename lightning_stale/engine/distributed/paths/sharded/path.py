@@ -1,8 +1,6 @@
-"""The sharded path as a plug-in (`paths.base.ServerPath`): every rank owns a slice of the model
-(`sharded.owner`), joined by a mesh of data connections (`sharded.mesh`). Its two sides:
-`ShardedExchange`, a learner's (its push goes out in pieces to the owners, parameters come in
-slices from them), and `ShardedPayloads`, the server's (pushes are headers, updates are orders
-to the owners)."""
+"""The sharded path: every rank owns a slice of the model (`sharded.owner`), joined by a mesh
+(`sharded.mesh`). A learner's push goes out in pieces, parameters come in slices
+(`ShardedExchange`); the server's pushes are headers, updates orders (`ShardedPayloads`)."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ FINAL = 0  # the gather request of the stop; checkpoints during training ask wit
 
 
 class ShardedExchange(LearnerSide):
-    """A learner's side of the sharded path: its push goes out in pieces, parameters come in
-    slices (see the module docstring)."""
+    """A learner's side of the sharded path (see the module docstring)."""
 
     def __init__(self, vectors: ModelVectors, layout: ShardLayout, rank: int, mesh: DataMesh,
                  owner: ShardOwner) -> None:
@@ -55,15 +52,13 @@ class ShardedExchange(LearnerSide):
     def payloads_on_channels(self) -> int:
         return self.mesh.payloads_on_channels
 
-    def fill_push(self, message: Message) -> None:
-        """The gradient, on the device where the pieces go device to device."""
+    def fill_push(self, message: Message) -> None:  # on the device where pieces go device to device
         message.payload, masked = self.vectors.push_vector(device=self.mesh.payload_device(self.vectors.device))
         if masked:
             message.flags |= Flag.MASKED
 
     def before_push(self, message: Message) -> None:
-        """The pieces go to the owners before the header goes to the server, so that an owner
-        rarely waits for them."""
+        """The pieces go to the owners before the header to the server: an owner rarely waits."""
         self.seq += 1
         message.seq = self.seq
         vector, message.payload = message.payload, None
@@ -84,7 +79,7 @@ class ShardedExchange(LearnerSide):
             self._arrived.notify_all()
 
     def resolve(self, message: Message, check: Callable[[], None]) -> None:
-        """A sliced message gets its parameters: every owner's slice of its delivery."""
+        """A sliced message gets every owner's slice of its delivery."""
         if not message.flags & Flag.SLICED:
             return
         with self._arrived:
@@ -103,7 +98,7 @@ class ShardedExchange(LearnerSide):
             self._resolved, message.payload = (message.delivery, slices), _IN_SLICES
 
     def take(self, message: Message) -> None:
-        """The parameters, joined from the owners' slices as they are loaded."""
+        """The parameters, joined from the slices as they are loaded."""
         if message.payload is _IN_SLICES:
             delivery, slices = self._resolved
             if delivery != message.delivery:
@@ -113,8 +108,7 @@ class ShardedExchange(LearnerSide):
             self.vectors.load_state(message.payload)
 
     def close(self, timeout: float, failed: bool = False) -> list[str]:
-        """After the stop, or a failure: this rank's owner has retired; the mesh says goodbye to
-        every peer."""
+        """This rank's owner has retired; the mesh says goodbye to every peer."""
         deadline = time.monotonic() + timeout  # one bound for both
         stuck = [] if self.owner.join(timeout) else [f"stale-shard-{self.rank}"]
         self.mesh.close()
@@ -122,8 +116,7 @@ class ShardedExchange(LearnerSide):
 
 
 class ShardedPayloads(ServerSide):
-    """The server's side of the sharded path: pushes are headers (`PieceRef`), updates are
-    orders to the owners, and a message that gives a learner parameters is sliced."""
+    """The server's side of the sharded path (see the module docstring)."""
 
     def __init__(self, p: int, send: Callable[[int, Order], None] | None = None) -> None:
         self.p, self.send = p, send
@@ -137,8 +130,7 @@ class ShardedPayloads(ServerSide):
     def contribution(self, message: Message) -> PieceRef:
         return PieceRef(message.learner, message.seq)
 
-    def fill(self, message: Message, core, decision) -> None:
-        """A message that gives a learner parameters: every owner sends it its slice."""
+    def fill(self, message: Message, core, decision) -> None:  # parameters: every owner sends a slice
         if message.kind not in (Kind.PARAMS, Kind.EPOCH, Kind.STOP):
             return
         self._delivery += 1
@@ -146,19 +138,17 @@ class ShardedPayloads(ServerSide):
         message.delivery, message.flags = self._delivery, message.flags | Flag.SLICED
 
     def on_update(self, update, contributions: Sequence[PieceRef], weights) -> None:
-        """Every owner applies the update to its slice, from the pieces it names."""
         weights = [1.0] * len(contributions) if weights is None else list(weights)
         orders = torch.tensor([[c.learner, c.seq, w] for c, w in zip(contributions, weights)],
                               dtype=torch.float64).reshape(-1)
         self._to_owners(Order(Kind.APPLY, version=update.version, payload=orders))
 
     def on_schedule(self, epoch: int, metrics: dict, per_update: bool) -> None:
-        """Every owner steps its own schedulers."""
         self._to_owners(Order(Kind.SCHEDULE, epoch=epoch, flags=Flag.PER_UPDATE if per_update else 0,
                               payload=text_payload(json.dumps(metrics))))
 
     def on_stop(self) -> None:
-        """The final state goes to rank 0 (request `FINAL`), then the owners retire."""
+        """The final state goes to rank 0, then the owners retire."""
         self.gather(FINAL)
         self._to_owners(Order(Kind.RETIRE))
 
@@ -175,17 +165,14 @@ class ShardedPayloads(ServerSide):
 
     def gathered(self, request: int, check: Callable[[], None],
                  keep: bool = False) -> tuple[list[Tensor], list[dict], int]:
-        """Every owner's state vector and saved optimizer and scheduler states for ``request``,
-        and the version they are of (``keep``: leave them for another reader)."""
+        """Every owner's state vector and saved states for ``request``, and their version."""
         with self._gathered_ready:
             while len(self._gathered.get(request, ())) < 2 * self.p:
                 self._gathered_ready.wait(WAIT_S)
                 check()
             parts = self._gathered[request] if keep else self._gathered.pop(request)
         states = [_payload(parts[(o, False)]) for o in range(self.p)]
-        # On the host: an owner's optimizer state was saved from its own GPU, which rank 0 must
-        # not allocate on (nor may be able to see); loading it into an optimizer moves it to the
-        # parameters' device.
+        # On the host: saved from an owner's GPU, which rank 0 must not allocate on (may not see).
         saved = [torch.load(io.BytesIO(_payload(parts[(o, True)]).numpy().tobytes()), map_location="cpu",
                             weights_only=True) for o in range(self.p)]
         return states, saved, parts[(0, False)].version
@@ -203,9 +190,8 @@ def _payload(message: ShardData) -> Tensor:
 
 def assemble_optimizer_state(optimizer, layout: ShardLayout, params: Sequence[Tensor],
                              saved: Sequence[dict]) -> dict:
-    """The state dict of ``optimizer`` (rank 0's learner's, over the module's ``params``) as if it
-    had taken every update: each owner's per-parameter state, renumbered, and the current group
-    options (learning rates after the schedulers) from owner 0."""
+    """The state dict of ``optimizer`` (rank 0's, over ``params``) as if it had taken every update:
+    each owner's per-parameter state, renumbered, and owner 0's current group options."""
     full = optimizer.state_dict()
     numbering = {id(p): i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"])}
     state = {}
@@ -238,17 +224,15 @@ class ShardedPath(ServerPath):
         return None
 
     def traffic(self, numel: int, p: int, k: int) -> float:
-        """Each of an update's K pushes sends every other owner its piece, and each refreshed learner gets every other
-        owner's slice: per push about N(P - 1)/P values up and as many down for its learner, spread over the P
-        owners, so per update 2N K (P - 1) / P^2 values at each rank on average; with K = P, a ring all-reduce's
-        2N(P - 1)/P (Patarasuk and Yuan, 2009)."""
+        """Per push about N(P - 1)/P values up to the other owners and as many down, spread over P
+        owners: 2N K (P - 1) / P^2 per rank; with K = P a ring all-reduce's (Patarasuk and Yuan, 2009)."""
         return 2 * numel * k * (p - 1) / (p * p)
 
     def channel_pairs(self, p: int) -> list[tuple[int, int]]:
         return [(a, b) for a in range(p) for b in range(p) if a != b]
 
     def build(self, ctx: RankContext) -> RankParts:
-        """This rank's exchange, shard owner and (rank 0) the server's side, joined by a mesh."""
+        """This rank's exchange, shard owner and (rank 0) server side, joined by a mesh."""
         vectors, rank, p = ctx.vectors, ctx.rank, ctx.variant.p
         layout = ShardLayout([t.numel() for t in vectors.params], vectors.buffer_numel, p)
         state = ServerState(ctx.module, ctx.optimizer, ctx.schedulers, buffers=rank == 0,
@@ -284,50 +268,30 @@ class ShardedPath(ServerPath):
 
 
 class ShardedCheckpoint(CheckpointPart):
-    """The model is spread over the owners: gathered to rank 0 once per checkpoint (in the order of the server's
-    updates, so every slice is of the same version)."""
+    """Gathered from the owners once per checkpoint, in the order of the updates: one version."""
 
     def __init__(self, view: CheckpointView) -> None:
         super().__init__(view)
         side = view.learner_side
         assert isinstance(side, ShardedExchange), "rank 0's learner side is the sharded path's"
         self.layout, self.params = side.layout, side.vectors.params
-        self._gathered: tuple | None = None  # (vector, optimizer state, schedulers, version)
         self._requests = FINAL
         self._warned = False
 
     @property
     def lost(self) -> bool:
-        """The run failed: what the owners held cannot be gathered."""
+        """The run failed: the owners' state cannot be gathered."""
         return self.live and self.view.server.error is not None
 
-    def module_state(self, state_dict: dict) -> dict:
-        if self.lost:  # (Lightning asks for the module's state first: the warning goes here)
-            self._warn_lost()
-            return state_dict
-        if not self.live:
-            return state_dict
-        self._gathered = None  # a checkpoint begins here: its instant is now
-        state_dict.update(named_state(self.view.module, self._gather()[0]))
-        return state_dict
-
-    def optimizer_state(self, own: dict) -> dict:
-        return own if not self.live or self.lost else self._gather()[1]
-
     def engine_state(self) -> dict:
-        saved = self.view.server.state_dict()
-        learner = self.view.learner()
-        if self.lost:
-            version = learner.version if learner is not None else saved["version"]
-            saved.update(version=version, updates=version, schedulers=[])
-        elif self.live:
-            _, _, schedulers, version = self._gather()
-            saved.update(version=version, updates=version, schedulers=schedulers)
-        self._gathered = None  # the next checkpoint gathers anew
+        if not self.lost:
+            return super().engine_state()
+        saved, learner = self.view.server.state_dict(), self.view.learner()
+        version = learner.version if learner is not None else saved["version"]
+        saved.update(version=version, updates=version, schedulers=[])
         return saved
 
     def finish(self) -> None:
-        """Rank 0's optimizer takes the state gathered from the owners at the stop."""
         _, saved, _ = self.view.server.payloads.gathered(FINAL, self.view.check_server)
         optimizer = self.view.optimizer()
         optimizer.load_state_dict(assemble_optimizer_state(optimizer, self.layout, self.params, saved))
@@ -340,16 +304,17 @@ class ShardedCheckpoint(CheckpointPart):
                         "parameters (version %d) without optimizer or scheduler state: the shard "
                         "owners' state was lost with the failure", learner.version if learner else -1)
 
-    def _gather(self) -> tuple:
-        if self._gathered is None:
-            server, check = self.view.server, self.view.check_server
-            if server.core.stopped:  # the owners have retired: the state gathered at the stop
-                states, saved, version = server.payloads.gathered(FINAL, check, keep=True)
-            else:
-                self._requests += 1
-                server.gather(self._requests)
-                states, saved, version = server.payloads.gathered(self._requests, check)
-            self._gathered = (self.layout.join(states),
-                              assemble_optimizer_state(self.view.optimizer(), self.layout, self.params, saved),
-                              saved[0]["schedulers"], version)
-        return self._gathered
+    def read(self) -> tuple[dict, dict, dict] | None:
+        if self.lost:  # (Lightning asks for the module's state first: the warning goes there)
+            self._warn_lost()
+            return None
+        server, check = self.view.server, self.view.check_server
+        if server.core.stopped:  # the owners have retired: the state gathered at the stop
+            states, saved, version = server.payloads.gathered(FINAL, check, keep=True)
+        else:
+            self._requests += 1
+            server.gather(self._requests)
+            states, saved, version = server.payloads.gathered(self._requests, check)
+        return (named_state(self.view.module, self.layout.join(states)),
+                assemble_optimizer_state(self.view.optimizer(), self.layout, self.params, saved),
+                {"version": version, "updates": version, "schedulers": saved[0]["schedulers"]})
