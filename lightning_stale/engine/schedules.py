@@ -28,6 +28,7 @@ class Schedules:
     """
 
     steps_per_update = 1
+    steps_done: int | None = None  # steps counted before the next update, where H varies
 
     def __init__(self, configs: Sequence[Any], learner_optimizer: Optimizer,
                  stepped: Optimizer | None = None, steps_per_update: int = 1) -> None:
@@ -52,9 +53,13 @@ class Schedules:
             mine.update((k, v) for k, v in theirs.items() if k != "params")
 
     def after_update(self, update_index: int) -> None:
-        """Update ``update_index`` (from 1) was applied: step what its steps make due."""
+        """Update ``update_index`` (from 1) was applied: step what its steps make due. Where H
+        varies between updates (adaptive H), the engine sets ``steps_done``, the steps counted
+        before this update, and ``steps_per_update``, this update's H."""
         h = self.steps_per_update
-        for step in range((update_index - 1) * h + 1, update_index * h + 1):
+        done = getattr(self, "steps_done", None)
+        first = (update_index - 1) * h if done is None else done
+        for step in range(first + 1, first + h + 1):
             for config in self.configs:
                 if config.interval == "step" and step % config.frequency == 0:
                     _step(config, self.metrics)

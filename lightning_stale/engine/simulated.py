@@ -5,6 +5,9 @@ caller computes the gradient of the learner that finishes next, on the parameter
 (`parameters_for`), and hands it to `push`. Cancelled work is never computed. With local updates
 (docs/how-to/local-updates.md) a push takes the sum of H draws on the clock, the caller pushes
 the pseudo-gradient of H inner steps, and ``inner_states`` keeps each learner's inner optimizer.
+With AdaComm's adaptive H (`AdaptiveH`) the schedule observes every update's loss, and learners
+started after H changed take the new H (their next round); ``inner_steps`` counts the inner
+steps along the server's trajectory, each update counting the H of the push that completed it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from torch import Tensor
 
 from lightning_stale.engine.core import Outcome, ServerCore, ServerLimits
 from lightning_stale.engine.state import Contribution, ServerState
-from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.adaptive import AdaptiveH, AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish, VirtualCluster
@@ -25,10 +28,15 @@ class SimulatedServer:
     def __init__(self, state: ServerState, variant: Variant, delay, compute_time: float = 0.0,
                  adaptive: AdaptiveK | None = None,
                  compensation: StalenessCompensation | None = None,
-                 limits: ServerLimits | None = None, local_steps: int = 1) -> None:
+                 limits: ServerLimits | None = None, local_steps: int = 1,
+                 adaptive_h: AdaptiveH | None = None) -> None:
         # Every learner computes at its own version: the core keeps those parameters.
         self.core = ServerCore(variant, state, limits, adaptive, compensation, keep_snapshots=True)
+        if adaptive_h is not None and adaptive_h.h0 != local_steps:
+            raise ValueError(f"adaptive_h's h0={adaptive_h.h0} differs from local_steps={local_steps}")
+        self.adaptive_h = adaptive_h
         self.cluster = VirtualCluster(self.core.rules, delay, compute_time, local_steps)
+        self.inner_steps = 0  # inner steps along the server's trajectory (H x updates for a fixed H)
         # learner -> its inner optimizer's per-parameter state (local updates only)
         self.inner_states: dict[int, list] = {}
 
@@ -57,9 +65,21 @@ class SimulatedServer:
     def push(self, finish: Finish, contribution: Contribution | None, loss: float, samples: int,
              unusable: str | None = None) -> Outcome:
         """The learner of ``finish`` pushes its gradient with its mini-batch loss."""
+        h = finish.local_steps
+        schedules = self.state.schedules if self.core.state is not None else None
+        if schedules is not None and self.adaptive_h is not None:
+            schedules.steps_done, schedules.steps_per_update = self.inner_steps, h
         outcome = self.core.push(finish.learner, finish.version, self.cluster.now,
                                  contribution=contribution, loss=loss, samples=samples,
                                  unusable=unusable)
+        record = outcome.record
+        if record is not None:
+            self.inner_steps += h
+            if self.adaptive_h is not None:
+                lr = schedules.learner_optimizer.param_groups[0]["lr"] if schedules is not None else None
+                new_h = self.adaptive_h.observe(record.clock, record.loss, lr)
+                if new_h is not None:
+                    self.cluster.local_steps = new_h  # the learners this decision starts take it
         self.cluster.apply(outcome.decision)
         return outcome
 
@@ -76,8 +96,13 @@ class SimulatedServer:
         return self.core.pop_records()
 
     def stats(self) -> dict:
-        """The core's counters, plus ``virtual_time_s``, the virtual clock's reading."""
-        return {**self.core.stats(), "virtual_time_s": self.cluster.now}
+        """The core's counters, plus ``virtual_time_s``, the virtual clock's reading, and with
+        adaptive H its history ``h_history``, (virtual seconds, H) pairs."""
+        stats = {**self.core.stats(), "virtual_time_s": self.cluster.now}
+        adaptive_h = getattr(self, "adaptive_h", None)
+        if adaptive_h is not None:
+            stats["h_history"] = list(adaptive_h.history)
+        return stats
 
     # ---------------------------------------------------------------- checkpoints
     def __getstate__(self) -> dict:
@@ -86,13 +111,16 @@ class SimulatedServer:
         core = self.core.__dict__.copy()
         core["state"], core["_records"] = None, []
         core["observer"] = None  # an event log is written by its own fit only
-        return {"core": core, "cluster": self.cluster, "inner_states": self.inner_states}
+        return {"core": core, "cluster": self.cluster, "inner_states": self.inner_states,
+                "adaptive_h": self.adaptive_h, "inner_steps": self.inner_steps}
 
     def __setstate__(self, saved: dict) -> None:
         self.core = ServerCore.__new__(ServerCore)
         self.core.__dict__.update(saved["core"])
         self.cluster = saved["cluster"]
         self.inner_states = saved.get("inner_states", {})
+        self.adaptive_h = saved.get("adaptive_h")
+        self.inner_steps = saved.get("inner_steps", self.core.updates * self.cluster.local_steps)
         self.cluster.rules = self.core.rules
 
     def attach(self, state: ServerState) -> None:
