@@ -186,6 +186,28 @@ def test_the_schedule_survives_pickling_with_the_server():
     assert copy.cluster.local_steps == server.adaptive_h.h
 
 
+def test_checkpoint_resume_goes_on_with_the_schedule(tmp_path):
+    torch.manual_seed(0)
+    options = dict(num_learners=2, record_trace=False, delay=Exponential(1.0), local_steps=8,
+                   adaptive_h={"interval_s": 8.0, "window": 2})
+    first = SimulatedStaleStrategy("sync", **options)
+    data = dict(n=960)  # 60 batches an epoch
+    pl.Trainer(strategy=first, **{**QUIET, "max_epochs": 2, "enable_checkpointing": True,
+                                  "default_root_dir": tmp_path}).fit(um.WarmupAdamW(warmup=0.1),
+                                                                     datamodule=um.BlobData(**data))
+    saved = next(tmp_path.rglob("*.ckpt"))
+    before = pickle.loads(torch.load(saved, weights_only=True)["stale_server"]["engine"])
+    assert len(before.adaptive_h.history) > 1  # H shrank before the save
+    strategy = SimulatedStaleStrategy("sync", **options)
+    trainer = pl.Trainer(strategy=strategy, **{**QUIET, "max_epochs": 4})
+    trainer.fit(um.WarmupAdamW(warmup=0.1), datamodule=um.BlobData(**data), ckpt_path=str(saved))
+    history = strategy.stats["h_history"]
+    assert history[:len(before.adaptive_h.history)] == before.adaptive_h.history  # it went on
+    assert len(history) > len(before.adaptive_h.history)
+    assert trainer.global_step == strategy.server.inner_steps > before.inner_steps
+    assert books_balance(strategy.stats)
+
+
 # ---------------------------------------------------------------- bad input and the options
 @pytest.mark.parametrize("kwargs,message", [
     (dict(adaptive_h=2.0), r"local_steps, which is 1 here"),
@@ -226,3 +248,14 @@ def test_hydra_config_refuses_bad_adaptive_h(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         compose_config("train", ["race=none", *overrides])
+
+
+def test_lightning_cli_sets_adaptive_h():
+    from test_namespaces import SIMULATED_ARGS, cli
+
+    args = [*SIMULATED_ARGS, "--trainer.strategy.local_steps=4",
+            "--trainer.strategy.adaptive_h={interval_s: 0.5, window: 3}"]
+    strategy = cli("pytorch_lightning", args).trainer.strategy
+    assert isinstance(strategy, SimulatedStaleStrategy) and strategy.local_steps == 4
+    schedule = strategy._fresh_adaptive_h()
+    assert (schedule.h0, schedule.interval_s, schedule.window) == (4, 0.5, 3)
