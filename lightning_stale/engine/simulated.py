@@ -76,8 +76,7 @@ class SimulatedServer:
         if record is not None:
             self.inner_steps += h
             if self.adaptive_h is not None:
-                lr = schedules.learner_optimizer.param_groups[0]["lr"] if schedules is not None else None
-                new_h = self.adaptive_h.observe(record.clock, record.loss, lr)
+                new_h = self.adaptive_h.observe(record.clock, record.loss)
                 if new_h is not None:
                     self.cluster.local_steps = new_h  # the learners this decision starts take it
         self.cluster.apply(outcome.decision)

@@ -157,20 +157,15 @@ class AdaptiveH:
 
         H_l = ceil(sqrt(F(x_l) / F(x_0)) * H_0),
 
-    or, with a learning-rate schedule (``scale_with_lr``),
-
-        H_l = ceil(sqrt((eta_l F(x_l)) / (eta_0 F(x_0))) * H_0),
-
-    and never below 1. Infrequent averaging first (fast progress per second), frequent averaging
+    never below 1 (the paper's rule for a fixed learning rate, F's floor taken as 0; its variant
+    for a changing rate is not provided). Infrequent averaging first (fast progress per second), frequent averaging
     later (a lower error floor): the mirror of AdaSync's growing K (`AdaptiveK`). As AdaSync's K
-    never decreases, H here never grows: a noisy loss estimate or a learning-rate warm-up
-    (eta_l > eta_0) keeps the H in force.
+    never decreases, H here never grows: a noisy loss estimate keeps the H in force.
 
     F is estimated as `AdaptiveK` estimates it, from the losses of the updates (with local
     updates, each the mean loss of the inner steps averaged into one update): F(x_0) is the mean
     of the first ``window`` update losses, F(x_l) the mean of the last ``window`` ones when the
-    first update at or after the boundary l T0 is observed. eta_0 is the first positive learning
-    rate observed, eta_l the one in force at the boundary. A non-positive loss estimate counts
+    first update at or after the boundary l T0 is observed. A non-positive loss estimate counts
     as "converged" and sets H to 1. Pure logic with no torch: the simulated engine calls
     `observe` with virtual seconds after each update, and learners take the new H at the start
     of their next round.
@@ -179,15 +174,13 @@ class AdaptiveH:
         h0: H_0, the H of the first interval (``local_steps``).
         interval_s: T0, the interval length in the engine's seconds.
         window: how many recent update losses the running mean of F uses.
-        scale_with_lr: use the learning-rate variant of the rule (``observe`` then needs ``lr``).
 
     Attributes:
         h: the H in force.
         history: (time_s, H) pairs, starting with (0.0, h0) and one more each time H shrinks.
     """
 
-    def __init__(self, h0: int, interval_s: float, window: int = 10,
-                 scale_with_lr: bool = False) -> None:
+    def __init__(self, h0: int, interval_s: float, window: int = 10) -> None:
         self.h0 = _check_int("AdaptiveH h0 (local_steps)", h0, 1)
         if self.h0 == 1:
             raise ValueError("AdaptiveH shrinks H from h0 = local_steps, which is 1 here, the "
@@ -197,9 +190,6 @@ class AdaptiveH:
             raise ValueError(f"AdaptiveH interval_s must be a finite number > 0, got {interval_s!r}")
         self.interval_s = interval_s
         self.window = _check_int("AdaptiveH window", window, 1)
-        if not isinstance(scale_with_lr, bool):
-            raise ValueError(f"AdaptiveH scale_with_lr must be True or False, got {scale_with_lr!r}")
-        self.scale_with_lr = scale_with_lr
         self.reset()
 
     @classmethod
@@ -217,7 +207,7 @@ class AdaptiveH:
             schedule = cls(h0, float(spec))
         else:
             raise ValueError(f"adaptive_h must be None, an AdaptiveH, a dict of its arguments "
-                             f"(interval_s, window, scale_with_lr) or an interval in seconds, "
+                             f"(interval_s, window) or an interval in seconds, "
                              f"got {spec!r}")
         if schedule.h0 != h0:
             raise ValueError(f"local_steps={h0} disagrees with adaptive_h's h0={schedule.h0}; give one")
@@ -228,7 +218,6 @@ class AdaptiveH:
         self.h = self.h0
         self.history: list[tuple[float, int]] = [(0.0, self.h0)]
         self.initial_loss: float | None = None
-        self.initial_lr: float | None = None
         self._first_losses: list[float] = []
         self._recent: deque[float] = deque(maxlen=self.window)
         self._next_boundary = self.interval_s
@@ -238,27 +227,19 @@ class AdaptiveH:
         """The running-mean estimate of F at the latest observation."""
         return sum(self._recent) / len(self._recent) if self._recent else None
 
-    def target_h(self, initial_loss: float, current_loss: float, lr_ratio: float = 1.0) -> int:
-        """ceil(sqrt(lr_ratio * F(x_l) / F(x_0)) * H_0), at least 1 (not yet the never-grow
-        rule); ``lr_ratio`` is eta_l / eta_0 (1 without the learning-rate variant)."""
-        if current_loss <= 0 or lr_ratio <= 0:
+    def target_h(self, initial_loss: float, current_loss: float) -> int:
+        """ceil(sqrt(F(x_l) / F(x_0)) * H_0), at least 1 (not yet the never-grow rule)."""
+        if current_loss <= 0:
             return 1
         if initial_loss <= 0:
             return self.h
         # The small tolerance keeps an exact ratio such as sqrt(1/4) * 8 = 4 from rounding up to 5.
-        h = math.ceil(math.sqrt(lr_ratio * current_loss / initial_loss) * self.h0 - 1e-9)
+        h = math.ceil(math.sqrt(current_loss / initial_loss) * self.h0 - 1e-9)
         return max(h, 1)
 
-    def observe(self, time_s: float, loss: float, lr: float | None = None) -> int | None:
-        """Report one update's loss (and, with ``scale_with_lr``, the learning rate in force) at
-        engine time ``time_s``; returns the new H when an interval boundary was crossed and H
-        shrank, else None."""
-        if self.scale_with_lr:
-            if lr is None:
-                raise ValueError("AdaptiveH with scale_with_lr needs the learning rate of each update")
-            lr = float(lr)
-            if self.initial_lr is None and lr > 0 and math.isfinite(lr):
-                self.initial_lr = lr
+    def observe(self, time_s: float, loss: float) -> int | None:
+        """Report one update's loss at engine time ``time_s``; returns the new H when an interval
+        boundary was crossed and H shrank, else None."""
         loss = float(loss)
         if not math.isfinite(loss):
             return None
@@ -275,12 +256,7 @@ class AdaptiveH:
         if self.initial_loss is None:
             self._freeze_initial_loss()
         assert self.initial_loss is not None and self.current_loss is not None
-        lr_ratio = 1.0
-        if self.scale_with_lr:
-            if self.initial_lr is None or lr is None or not math.isfinite(lr):
-                return None  # no positive learning rate seen yet: eta_0 is unknown
-            lr_ratio = lr / self.initial_lr
-        h = min(self.h, self.target_h(self.initial_loss, self.current_loss, lr_ratio))
+        h = min(self.h, self.target_h(self.initial_loss, self.current_loss))
         if h == self.h:
             return None
         self.h = h
@@ -292,5 +268,4 @@ class AdaptiveH:
         self._first_losses = []
 
     def __repr__(self) -> str:
-        return (f"AdaptiveH(h0={self.h0}, interval_s={self.interval_s}, window={self.window}, "
-                f"scale_with_lr={self.scale_with_lr})")
+        return f"AdaptiveH(h0={self.h0}, interval_s={self.interval_s}, window={self.window})"

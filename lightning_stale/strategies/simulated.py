@@ -99,10 +99,10 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
             ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9,
             "nesterov": True}}`` (DiLoCo). Given, it makes local updates even with H = 1.
         adaptive_h: AdaComm's schedule of H (Wang and Joshi, SysML 2019; needs local_steps > 1):
-            an `AdaptiveH`, a dict of its arguments (``interval_s``, ``window``,
-            ``scale_with_lr``), or a number, the interval T0 in virtual seconds. H shrinks as
-            the loss falls; a learner takes the new H at the start of its next round, and
-            ``stats["h_history"]`` holds the (virtual seconds, H) changes.
+            an `AdaptiveH`, a dict of its arguments (``interval_s``, ``window``), or a number,
+            the interval T0 in virtual seconds. H shrinks as the loss falls; a learner takes the
+            new H at the start of its next round, and ``stats["h_history"]`` holds the (virtual
+            seconds, H) changes.
 
     During fit: ``trainer.global_step`` is the number of server updates (so ``max_steps`` counts
     them, and ``estimated_stepping_batches`` estimates them); a push is one optimizer step

@@ -1,6 +1,5 @@
 """AdaComm's adaptive H (Wang and Joshi, SysML 2019): H_l = ceil(sqrt(F(x_l) / F(x_0)) H_0),
-or with the learning rate ceil(sqrt(eta_l F(x_l) / (eta_0 F(x_0))) H_0), at least 1, never
-growing; and the simulated engine's learners taking the new H at the start of their next round
+at least 1, never growing; and the simulated engine's learners taking the new H at the start of their next round
 (docs/how-to/local-updates.md, "Adaptive H")."""
 
 import pickle
@@ -37,28 +36,6 @@ def test_follows_the_square_root_rule_on_hand_fed_losses():
     assert schedule.history == [(0.0, 8), (1.0, 4), (2.2, 3), (3.1, 1)]
 
 
-def test_learning_rate_variant_scales_the_loss_ratio_by_eta_l_over_eta_0():
-    schedule = AdaptiveH(h0=8, interval_s=1.0, window=1, scale_with_lr=True)
-    assert schedule.observe(0.1, 4.0, lr=0.0) is None  # a warm-up's zero is no eta_0
-    assert schedule.observe(0.5, 4.0, lr=0.1) is None  # eta_0 = 0.1 (first positive), F(x_0) = 4
-    assert schedule.initial_lr == 0.1 and schedule.initial_loss == 4.0
-    # the loss has not fallen, the rate was cut to a quarter: ceil(sqrt(0.25 * 1) * 8) = 4
-    assert schedule.observe(1.0, 4.0, lr=0.025) == 4
-    # both: ceil(sqrt(0.25 * 0.25) * 8) = 2
-    assert schedule.observe(2.0, 1.0, lr=0.025) == 2
-    # a larger rate than eta_0 does not make H grow
-    assert schedule.observe(3.0, 1.0, lr=1.0) is None and schedule.h == 2
-    plain = AdaptiveH(h0=8, interval_s=1.0, window=1)  # without the variant the rate is ignored
-    plain.observe(0.5, 4.0, lr=0.1)
-    assert plain.observe(1.0, 4.0, lr=0.025) is None and plain.h == 8
-
-
-def test_learning_rate_variant_needs_the_rate():
-    schedule = AdaptiveH(h0=4, interval_s=1.0, scale_with_lr=True)
-    with pytest.raises(ValueError, match="needs the learning rate"):
-        schedule.observe(0.5, 1.0)
-
-
 def test_running_mean_boundaries_and_odd_losses():
     schedule = AdaptiveH(h0=16, interval_s=10.0, window=2)
     for time_s, loss in [(1, 9.0), (2, 7.0), (3, float("nan")), (4, 3.0)]:
@@ -74,9 +51,9 @@ def test_running_mean_boundaries_and_odd_losses():
 
 def test_create_forms():
     assert AdaptiveH.create(None, h0=4) is None
-    assert repr(AdaptiveH.create(2.5, h0=4)) == "AdaptiveH(h0=4, interval_s=2.5, window=10, scale_with_lr=False)"
-    made = AdaptiveH.create({"interval_s": 1, "window": 3, "scale_with_lr": True}, h0=4)
-    assert (made.h0, made.interval_s, made.window, made.scale_with_lr) == (4, 1.0, 3, True)
+    assert repr(AdaptiveH.create(2.5, h0=4)) == "AdaptiveH(h0=4, interval_s=2.5, window=10)"
+    made = AdaptiveH.create({"interval_s": 1, "window": 3}, h0=4)
+    assert (made.h0, made.interval_s, made.window) == (4, 1.0, 3)
     given = AdaptiveH(4, 1.0)
     assert AdaptiveH.create(given, h0=4) is given
 
@@ -86,7 +63,6 @@ def test_create_forms():
     (0.0, 4, r"interval_s must be a finite number > 0, got 0.0"),
     (float("inf"), 4, r"interval_s must be a finite number > 0, got inf"),
     ({"interval_s": 1.0, "window": 0}, 4, r"window must be an integer >= 1, got 0"),
-    ({"interval_s": 1.0, "scale_with_lr": "yes"}, 4, r"scale_with_lr must be True or False, got 'yes'"),
     ({"interval_s": 1.0, "h0": 8}, 4, r"local_steps=4 disagrees with adaptive_h's h0=8"),
     ({"interval": 1.0}, 4, r"interval"),
     ("fast", 4, r"adaptive_h must be None, an AdaptiveH, a dict.*got 'fast'"),
@@ -230,11 +206,11 @@ def test_hydra_config_sets_adaptive_h():
     from lightning_stale.train import build_strategy
 
     cfg = compose_config("train", ["race=none", "engine=simulated", "variant=sync", "variant.local_steps=8",
-                                   "+engine.strategy.adaptive_h={interval_s: 2.0, scale_with_lr: true}"])
+                                   "+engine.strategy.adaptive_h={interval_s: 2.0, window: 3}"])
     strategy = build_strategy(cfg)
     assert isinstance(strategy, SimulatedStaleStrategy) and strategy.local_steps == 8
     schedule = strategy._fresh_adaptive_h()
-    assert (schedule.h0, schedule.interval_s, schedule.scale_with_lr) == (8, 2.0, True)
+    assert (schedule.h0, schedule.interval_s, schedule.window) == (8, 2.0, 3)
 
 
 @pytest.mark.parametrize("overrides,message", [
