@@ -148,8 +148,10 @@ def _validate_run(cfg: DictConfig) -> int | None:
 
 
 def _check_local_updates(cfg: DictConfig, engine: str) -> None:
-    """``variant.local_steps`` and ``variant.outer_optimizer`` (docs/how-to/local-updates.md):
+    """``variant.local_steps``, ``variant.outer_optimizer`` and ``engine.strategy.adaptive_h``
+    (docs/how-to/local-updates.md):
     checked as the strategy checks them, and refused on the engines that do not take them yet."""
+    from lightning_stale.method.adaptive import AdaptiveH
     from lightning_stale.strategies.local_updates import check_local_steps, outer_optimizer_factory
 
     local_steps, outer = cfg.variant.get("local_steps", 1), cfg.variant.get("outer_optimizer")
@@ -163,6 +165,14 @@ def _check_local_updates(cfg: DictConfig, engine: str) -> None:
                           f"{'null' if outer is None else 'set'}: local updates run on "
                           f"engine=simulated for now, not engine={engine}; use engine=simulated, "
                           "or variant.local_steps=1 and variant.outer_optimizer=null")
+    adaptive_h = cfg.engine.get("strategy", {}).get("adaptive_h")
+    if adaptive_h is not None and engine != "simulated":
+        raise ConfigError(f"engine.strategy.adaptive_h: AdaComm's adaptive H runs on engine=simulated "
+                          f"for now, not engine={engine}; use engine=simulated or drop adaptive_h")
+    try:
+        AdaptiveH.create(adaptive_h, h0=local_steps)
+    except ValueError as error:
+        raise ConfigError(f"engine.strategy.adaptive_h: {error}") from None
 
 
 def _check_server_path(cfg: DictConfig, variant: str) -> None:

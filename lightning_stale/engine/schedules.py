@@ -19,10 +19,10 @@ class Schedules:
     optimizer takes the steps (``stepped``: the server's copy, or a shard of it), its group
     options (learning rate, momentum, ...) are copied from the learner's before every step and
     after every scheduler step. ``metrics``: the latest logged values, for plateau schedulers
-    stepped per update; ``steps_per_update``: H with local updates, else 1.
-    """
+    stepped per update; ``steps_per_update``: H with local updates, else 1."""
 
     steps_per_update = 1
+    steps_done: int | None = None  # steps counted before the next update, where H varies
 
     def __init__(self, configs: Sequence[Any], learner_optimizer: Optimizer,
                  stepped: Optimizer | None = None, steps_per_update: int = 1) -> None:
@@ -46,9 +46,11 @@ class Schedules:
             mine.update((k, v) for k, v in theirs.items() if k != "params")
 
     def after_update(self, update_index: int) -> None:
-        """Update ``update_index`` (from 1) was applied: step what its steps make due."""
+        """Update ``update_index`` (from 1) was applied: step what its steps make due (where H
+        varies, the engine sets ``steps_done`` before it and ``steps_per_update`` to its H)."""
         h = self.steps_per_update
-        for step in range((update_index - 1) * h + 1, update_index * h + 1):
+        first = (update_index - 1) * h if self.steps_done is None else self.steps_done
+        for step in range(first + 1, first + h + 1):
             for config in self.configs:
                 if config.interval == "step" and step % config.frequency == 0:
                     _step(config, self.metrics)

@@ -4,8 +4,7 @@
 mask when some parameter got no gradient. `ServerState` applies docs/method.md's update rule
 (Dutta et al., 2018): the mean of the K gradients, one step of the module's own optimizer (a
 parameter no gradient touched keeps ``grad = None``, as under DDP), the mean of the pushed
-buffers (integer buffers: the largest; docs/concepts/server.md).
-"""
+buffers (integer buffers: the largest; docs/concepts/server.md)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 default stream an engine thread's copy would queue behind a collective the training thread
 entered, while the other ranks wait for that copy: a deadlock across ranks. So engine threads use
 streams of their own, from a priority level no NCCL group uses, and hand tensors over with events
-(PyTorch docs, "CUDA semantics", "CUDA streams"; c10/cuda/CUDAStream.cpp). The CPU is untouched.
-"""
+(PyTorch docs, "CUDA semantics", "CUDA streams"; c10/cuda/CUDAStream.cpp). The CPU is untouched."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Gradually increasing synchrony: K grows as the training loss falls (AdaSync).
+"""Gradually increasing synchrony: K grows as the training loss falls (AdaSync); and its mirror
+for local updates, H shrinks as the training loss falls (AdaComm, `AdaptiveH`).
 
 docs/method.md, "Gradually increasing synchrony"; Dutta, Wang, Joshi, "Slow and Stale Gradients Can
 Win the Race" (arXiv 2003.10579, adaptive synchronicity). Training time is split into
@@ -145,3 +146,126 @@ class AdaptiveK:
     def __repr__(self) -> str:
         return (f"AdaptiveK(k0={self.k0}, interval_s={self.interval_s}, max_k={self.max_k}, "
                 f"window={self.window})")
+
+
+class AdaptiveH:
+    """AdaComm's schedule of the communication period H: H shrinks as the training loss falls.
+
+    Wang and Joshi, "Adaptive Communication Strategies to Achieve the Best Error-Runtime
+    Trade-off in Local-Update SGD" (SysML 2019), AdaComm: training time is split into intervals
+    of length T0; at the start of interval l the period becomes
+
+        H_l = ceil(sqrt(F(x_l) / F(x_0)) * H_0),
+
+    never below 1 (the paper's rule for a fixed learning rate, F's floor taken as 0; its variant
+    for a changing rate is not provided). Infrequent averaging first (fast progress per second), frequent averaging
+    later (a lower error floor): the mirror of AdaSync's growing K (`AdaptiveK`). As AdaSync's K
+    never decreases, H here never grows: a noisy loss estimate keeps the H in force.
+
+    F is estimated as `AdaptiveK` estimates it, from the losses of the updates (with local
+    updates, each the mean loss of the inner steps averaged into one update): F(x_0) is the mean
+    of the first ``window`` update losses, F(x_l) the mean of the last ``window`` ones when the
+    first update at or after the boundary l T0 is observed. A non-positive loss estimate counts
+    as "converged" and sets H to 1. Pure logic with no torch: the simulated engine calls
+    `observe` with virtual seconds after each update, and learners take the new H at the start
+    of their next round.
+
+    Args:
+        h0: H_0, the H of the first interval (``local_steps``).
+        interval_s: T0, the interval length in the engine's seconds.
+        window: how many recent update losses the running mean of F uses.
+
+    Attributes:
+        h: the H in force.
+        history: (time_s, H) pairs, starting with (0.0, h0) and one more each time H shrinks.
+    """
+
+    def __init__(self, h0: int, interval_s: float, window: int = 10) -> None:
+        self.h0 = _check_int("AdaptiveH h0 (local_steps)", h0, 1)
+        if self.h0 == 1:
+            raise ValueError("AdaptiveH shrinks H from h0 = local_steps, which is 1 here, the "
+                             "least H already; give local_steps > 1 or no adaptive_h")
+        interval_s = float(interval_s)
+        if not (interval_s > 0 and math.isfinite(interval_s)):
+            raise ValueError(f"AdaptiveH interval_s must be a finite number > 0, got {interval_s!r}")
+        self.interval_s = interval_s
+        self.window = _check_int("AdaptiveH window", window, 1)
+        self.reset()
+
+    @classmethod
+    def create(cls, spec: Any, h0: int) -> AdaptiveH | None:
+        """From None, an `AdaptiveH`, a mapping of the constructor's arguments (``h0`` defaults to
+        the given one, ``local_steps``, and must equal it), or a number: the interval T0 in
+        seconds."""
+        if spec is None:
+            return None
+        if isinstance(spec, AdaptiveH):
+            schedule = spec
+        elif isinstance(spec, Mapping):
+            schedule = cls(**{"h0": h0, **{str(k): v for k, v in spec.items()}})
+        elif isinstance(spec, (int, float)) and not isinstance(spec, bool):
+            schedule = cls(h0, float(spec))
+        else:
+            raise ValueError(f"adaptive_h must be None, an AdaptiveH, a dict of its arguments "
+                             f"(interval_s, window) or an interval in seconds, "
+                             f"got {spec!r}")
+        if schedule.h0 != h0:
+            raise ValueError(f"local_steps={h0} disagrees with adaptive_h's h0={schedule.h0}; give one")
+        return schedule
+
+    def reset(self) -> None:
+        """Forget everything observed: H back to h0."""
+        self.h = self.h0
+        self.history: list[tuple[float, int]] = [(0.0, self.h0)]
+        self.initial_loss: float | None = None
+        self._first_losses: list[float] = []
+        self._recent: deque[float] = deque(maxlen=self.window)
+        self._next_boundary = self.interval_s
+
+    @property
+    def current_loss(self) -> float | None:
+        """The running-mean estimate of F at the latest observation."""
+        return sum(self._recent) / len(self._recent) if self._recent else None
+
+    def target_h(self, initial_loss: float, current_loss: float) -> int:
+        """ceil(sqrt(F(x_l) / F(x_0)) * H_0), at least 1 (not yet the never-grow rule)."""
+        if current_loss <= 0:
+            return 1
+        if initial_loss <= 0:
+            return self.h
+        # The small tolerance keeps an exact ratio such as sqrt(1/4) * 8 = 4 from rounding up to 5.
+        h = math.ceil(math.sqrt(current_loss / initial_loss) * self.h0 - 1e-9)
+        return max(h, 1)
+
+    def observe(self, time_s: float, loss: float) -> int | None:
+        """Report one update's loss at engine time ``time_s``; returns the new H when an interval
+        boundary was crossed and H shrank, else None."""
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return None
+        self._recent.append(loss)
+        if self.initial_loss is None:
+            self._first_losses.append(loss)
+            if len(self._first_losses) == self.window:
+                self._freeze_initial_loss()
+        if time_s < self._next_boundary:
+            return None
+        # Several intervals may have passed since the last update: the next boundary is the one
+        # after the interval that time_s falls in.
+        self._next_boundary = (math.floor(time_s / self.interval_s) + 1) * self.interval_s
+        if self.initial_loss is None:
+            self._freeze_initial_loss()
+        assert self.initial_loss is not None and self.current_loss is not None
+        h = min(self.h, self.target_h(self.initial_loss, self.current_loss))
+        if h == self.h:
+            return None
+        self.h = h
+        self.history.append((float(time_s), h))
+        return h
+
+    def _freeze_initial_loss(self) -> None:
+        self.initial_loss = sum(self._first_losses) / len(self._first_losses)
+        self._first_losses = []
+
+    def __repr__(self) -> str:
+        return f"AdaptiveH(h0={self.h0}, interval_s={self.interval_s}, window={self.window})"

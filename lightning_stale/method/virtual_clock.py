@@ -21,12 +21,14 @@ from lightning_stale.method.rules import Decision, ServerRules
 class Finish:
     """Learner ``learner`` finishes a mini-batch (with local updates: its H mini-batches) computed
     from ``version`` at virtual ``time``; it started at ``started``, so its time X is
-    ``time - started``."""
+    ``time - started``. ``local_steps``: the H of this push (the cluster's H when it started:
+    with AdaComm's adaptive H a learner takes a new H at the start of its next round)."""
 
     time: float
     learner: int
     version: int
     started: float = 0.0
+    local_steps: int = 1
 
 
 class VirtualCluster:
@@ -36,7 +38,8 @@ class VirtualCluster:
         rules: the decision object (its variant fixes P).
         delay: any object with ``sample(learner) -> seconds`` (a `lightning_stale.delays` model).
         compute_time: virtual seconds added to every mini-batch on top of the delay.
-        local_steps: H, the mini-batches of one push: its time is the sum of H draws.
+        local_steps: H, the mini-batches of one push: its time is the sum of H draws. It may be
+            changed between pushes (adaptive H): learners started afterwards take the new H.
     """
 
     local_steps = 1  # (clusters pickled before local updates existed)
@@ -50,6 +53,7 @@ class VirtualCluster:
         self.now = 0.0
         self._heap: list[tuple[float, int, int, int, float]] = []  # (time, seq, learner, generation, start)
         self._generation = [0] * rules.p
+        self._steps_of = [local_steps] * rules.p  # the H of each learner's push in progress
         self._seq = 0
         for learner in range(rules.p):
             self._start(learner)
@@ -57,6 +61,7 @@ class VirtualCluster:
     def _start(self, learner: int) -> None:
         # A new generation invalidates whatever the learner was computing before (cancellation).
         self._generation[learner] += 1
+        self._steps_of[learner] = self.local_steps
         finish = self.now + self.compute_time + self.delay.sample(learner)
         for _ in range(self.local_steps - 1):
             finish += self.compute_time + self.delay.sample(learner)
@@ -69,7 +74,9 @@ class VirtualCluster:
             time, _, learner, generation, started = heapq.heappop(self._heap)
             if generation == self._generation[learner]:
                 self.now = time
-                return Finish(time, learner, self.rules.learner_version(learner), started)
+                steps = getattr(self, "_steps_of", None)  # (clusters pickled before adaptive H)
+                return Finish(time, learner, self.rules.learner_version(learner), started,
+                              self.local_steps if steps is None else steps[learner])
         raise RuntimeError("no learner is computing: every learner waits, which the rules never allow")
 
     def apply(self, decision: Decision) -> None:

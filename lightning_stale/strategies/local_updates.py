@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.engine.state import Contribution, ModelVectors
+from lightning_stale.method.adaptive import AdaptiveH
 from lightning_stale.method.local import check_local_steps
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.strategies.lightning_api import set_global_step
@@ -40,11 +41,14 @@ OuterFactory = Callable[[Sequence[Tensor]], Optimizer]
 PLAIN_AVERAGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}
 
 
-def refuse_on_real_engine(local_steps: Any) -> None:
+def refuse_on_real_engine(local_steps: Any, adaptive_h: Any = None) -> None:
     """`StaleStrategy`'s check: H = 1 only, until its engine takes local steps."""
     if check_local_steps(local_steps) != 1:
         raise ValueError(f"local_steps={local_steps}: local updates run on SimulatedStaleStrategy "
                          "for now; StaleStrategy takes local_steps=1 (a push per step)")
+    if adaptive_h is not None:
+        raise ValueError(f"adaptive_h={adaptive_h!r}: AdaComm's adaptive H runs with local updates "
+                         "on SimulatedStaleStrategy for now; StaleStrategy takes adaptive_h=None")
 
 
 def outer_optimizer_factory(spec: Any) -> OuterFactory | None:
@@ -184,15 +188,25 @@ class LocalUpdatesMixin:
 
     _finish: Finish | None  # the strategy's: the learner computing the push in progress
 
-    def _init_local_updates(self, local_steps: Any, outer_optimizer: Any, event_log: bool) -> None:
+    def _init_local_updates(self, local_steps: Any, outer_optimizer: Any, event_log: bool,
+                            adaptive_h: Any = None) -> None:
         """Check the options; ``event_log``: record_events or replay was given (refused with them)."""
         self.local_steps, self.outer_optimizer = check_local_steps(local_steps), outer_optimizer
         self._outer = outer_optimizer_factory(outer_optimizer)
+        AdaptiveH.create(adaptive_h, h0=self.local_steps)  # checks the spec now (H_0 > 1 included)
+        self.adaptive_h = adaptive_h
         self.local_updates = self.local_steps > 1 or self._outer is not None
         if self.local_updates and event_log:
             raise ValueError("record_events and replay cannot go with local updates (local_steps > 1 "
                              "or an outer_optimizer): an event log holds one mini-batch per push")
         self._round: LocalRound | None = None  # the local steps in progress
+
+    def _fresh_adaptive_h(self) -> AdaptiveH | None:
+        """This fit's own AdaComm schedule (the caller's object stays as it is)."""
+        schedule = copy.deepcopy(AdaptiveH.create(self.adaptive_h, h0=self.local_steps))
+        if schedule is not None:
+            schedule.reset()
+        return schedule
 
     def _outer_factory(self) -> OuterFactory | None:
         """The server's outer optimizer for this fit; None: the pushes are gradients."""
@@ -208,7 +222,8 @@ class LocalUpdatesMixin:
 
     def _start_round(self, finish: Finish, server: SimulatedServer) -> None:
         if self.local_updates:
-            self._round = LocalRound(finish, self.local_steps, self.optimizers[0],
+            # finish.local_steps: the H the learner started with (adaptive H changes it between rounds)
+            self._round = LocalRound(finish, finish.local_steps, self.optimizers[0],
                                      server.inner_states.get(finish.learner))
 
     def _pause_round(self) -> None:
@@ -232,7 +247,7 @@ class LocalUpdatesMixin:
             self._finish = self._round = None
             # (no X for MiniBatchTimer: a round is H mini-batches, and the trace has each draw)
             server.push(finish, contribution, round_.loss, self._batch_samples)
-        set_global_step(self.lightning_module.trainer, server.updates * self.local_steps)
+        set_global_step(self.lightning_module.trainer, server.inner_steps)
         return loss
 
     @override

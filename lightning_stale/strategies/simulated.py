@@ -30,7 +30,7 @@ from lightning_stale.delays.traces import RecordingDelay, TraceRecorder
 from lightning_stale.engine.core import ServerCore
 from lightning_stale.engine.simulated import SimulatedServer
 from lightning_stale.engine.state import ModelVectors, ServerState
-from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.adaptive import AdaptiveH, AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
@@ -98,6 +98,11 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
             plain averaging (SGD, lr 1, no momentum), or a class path and its arguments,
             ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9,
             "nesterov": True}}`` (DiLoCo). Given, it makes local updates even with H = 1.
+        adaptive_h: AdaComm's schedule of H (Wang and Joshi, SysML 2019; needs local_steps > 1):
+            an `AdaptiveH`, a dict of its arguments (``interval_s``, ``window``), or a number,
+            the interval T0 in virtual seconds. H shrinks as the loss falls; a learner takes the
+            new H at the start of its next round, and ``stats["h_history"]`` holds the (virtual
+            seconds, H) changes.
 
     During fit: ``trainer.global_step`` is the number of server updates (so ``max_steps`` counts
     them, and ``estimated_stepping_batches`` estimates them); a push is one optimizer step
@@ -136,7 +141,8 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
                  device: str | torch.device | None = None,
                  record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
                  replay: str | os.PathLike | None = None, local_steps: int = 1,
-                 outer_optimizer: str | dict | None = None, **kwargs: Any) -> None:
+                 outer_optimizer: str | dict | None = None,
+                 adaptive_h: float | dict | AdaptiveH | None = None, **kwargs: Any) -> None:
         # (the Lightning base is joined at import, `strategies.namespaces`: not visible here)
         super().__init__(device="cpu" if device is None else device, **kwargs)  # type: ignore[call-arg]
         self._device_given = device is not None
@@ -159,7 +165,8 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
             raise ValueError(f"compute_time must be a finite number >= 0, got {compute_time!r}")
         self.num_learners, self.compute_time = num_learners, compute_time
         self.settle_variant(num_learners)  # P is known: every option is checked now
-        self._init_local_updates(local_steps, outer_optimizer, bool(record_events) or replay is not None)
+        self._init_local_updates(local_steps, outer_optimizer, bool(record_events) or replay is not None,
+                                 adaptive_h)
         self.trace_recorder: TraceRecorder | None = None
         self.server: SimulatedServer | None = None
         self._retry: Finish | None = None  # a learner whose training_step was skipped
@@ -241,7 +248,8 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
         assert self.variant is not None, "settled for this fit"
         self.server = SimulatedServer(state, self.variant, delay, self.compute_time,
                                       self._adaptive, self.staleness_compensation,
-                                      local_steps=self.local_steps)
+                                      local_steps=self.local_steps,
+                                      adaptive_h=self._fresh_adaptive_h())
         self._start_recording(module)
         if restored is not None:
             rank_zero_warn("the checkpoint was saved after its fit had ended, so the simulation "

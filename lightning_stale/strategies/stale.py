@@ -125,6 +125,7 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             the gradients). ``trainer.strategy.overlapped_updates`` counts such updates.
         local_steps: 1 only (a push per step); local updates run on `SimulatedStaleStrategy`
             for now (docs/how-to/local-updates.md).
+        adaptive_h: None only; AdaComm's adaptive H runs on `SimulatedStaleStrategy` for now.
         **ddp_kwargs: `DDPStrategy`'s accelerator, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin, process_group_backend, timeout, start_method.
 
@@ -153,8 +154,8 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
                  overlap_allreduce: bool | None = None, payload_channels: bool = False,
                  record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
-                 local_steps: int = 1, **ddp_kwargs: Any) -> None:
-        refuse_on_real_engine(local_steps)  # local updates: SimulatedStaleStrategy for now
+                 local_steps: int = 1, adaptive_h: Any = None, **ddp_kwargs: Any) -> None:
+        refuse_on_real_engine(local_steps, adaptive_h)  # local updates: SimulatedStaleStrategy for now
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
                       hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,

@@ -1,7 +1,6 @@
 """Data between every pair of ranks, for the sharded path: gradient pieces, parameter slices and
 gathered state (`sharded.owner`), one receiving and one sending thread per peer on the server's
-gloo group, so that a slow transfer never holds another; `close` ends them.
-"""
+gloo group, so that a slow transfer never holds another; `close` ends them."""
 
 from __future__ import annotations
 
