@@ -92,6 +92,12 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.engine.state.xǁServerStateǁapply__mutmut_13":
         "one gradient (K = 1) averaged by the general path: the same values times 1.0, in a copy "
         "where the fast path lets the parameters' grads view the push",
+    **{f"lightning_stale.engine.state.xǁModelVectorsǁ_load__mutmut_{n}":
+       "the load's copy without `non_blocking`: it only lets a copy from pinned host memory "
+       "overlap; the stream's order gives every later use the same values"
+       for n in (11, 15)},
+    "lightning_stale.engine.state.xǁModelVectorsǁpush_vector__mutmut_14":
+        "`to_dense()` of every gradient: for a dense gradient it returns the gradient itself",
     "lightning_stale.engine.state.x__joined__mutmut_11":
         "the two ways of joining swapped for parts on one device: both give the same vector and "
         "use out alike; joining first only saves a copy per part from another device",

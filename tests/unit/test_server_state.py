@@ -571,3 +571,47 @@ def test_a_copied_optimizer_keeps_its_own_attributes_and_the_learners_state():
     assert set(map(id, clone.state)) == {id(c) for c in copies.values()}
     assert torch.equal(clone.state[copies[id(module.weight)]]["momentum_buffer"],
                        optimizer.state[module.weight]["momentum_buffer"])
+
+
+def test_a_rebuilt_optimizer_keeps_what_was_set_on_it_and_state_that_is_not_a_tensor():
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    optimizer.warmup = {"steps": 10}  # set by a user's code after construction
+    optimizer.state[module.weight]["history"] = [1.0, 2.0]
+    copies = _copies(module)
+    clone = clone_optimizer(optimizer, copies)
+    assert clone.warmup == {"steps": 10} and clone.warmup is not optimizer.warmup
+    history = clone.state[copies[id(module.weight)]]["history"]
+    assert history == [1.0, 2.0] and history is not optimizer.state[module.weight]["history"]
+
+
+def test_a_copied_shard_holds_no_state_of_the_tensors_outside_it():
+    class Custom(torch.optim.SGD):
+        def __init__(self, params, schedule, lr=0.1):
+            super().__init__(params, lr=lr, momentum=0.5)
+            self.schedule = schedule
+
+    torch.manual_seed(0)
+    module = nn.Linear(2, 1)
+    optimizer = Custom(module.parameters(), schedule=[1])
+    module(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    mapping = {id(module.weight): module.weight.detach().clone().requires_grad_(True)}
+    shard = clone_optimizer(optimizer, mapping, only_mapped=True)
+    assert shard.param_groups[0]["params"] == [mapping[id(module.weight)]]
+    assert list(shard.state) == [mapping[id(module.weight)]]
+
+
+def test_a_missing_gradients_zeros_take_the_vectors_dtype_not_torchs_default():
+    """Under ``torch.set_default_dtype(torch.float64)`` (as code made for 64-bit precision sets
+    it) a float32 model still pushes float32 vectors, zeros included."""
+    module = Mixed()
+    module.w.grad = torch.ones(2, 2)  # b has none
+    vectors = ModelVectors.of(module)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        payload, masked = vectors.push_vector()
+    finally:
+        torch.set_default_dtype(default)
+    assert masked and payload.dtype == torch.float32

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from lightning_stale.delays import Constant, Exponential, Pareto, ShiftedExponential, SlowLearners
+from lightning_stale.delays import Constant, Exponential, Pareto, RecordingDelay, ShiftedExponential, SlowLearners
 from lightning_stale.method.local import (
     check_local_steps,
     closed_form_local_update_time,
@@ -357,6 +357,9 @@ def test_seeds_reach_the_model_inside_wrappers_and_restart_used_streams():
     reseeded = monte_carlo_iteration_times("k_async", P, 2, used, updates=200, seed=7)
     assert reseeded.tolist() == monte_carlo_iteration_times("k_async", P, 2, fresh, updates=200, seed=None).tolist()
     assert reseeded.tolist() == monte_carlo_iteration_times("k_async", P, 2, used, updates=200, seed=7.0).tolist()
+    # through a recording wrapper too (its seed, like SlowLearners', is its model's)
+    recorded = RecordingDelay(SlowLearners(Exponential(1.0, seed=0), learners=[1], factor=2.0))
+    assert monte_carlo_iteration_times("k_async", P, 2, recorded, updates=200, seed=7).tolist() == reseeded.tolist()
     # seed None keeps the model's seed, and its streams restart from it too
     kept = monte_carlo_iteration_times("k_async", P, 2, used, updates=200, seed=None)
     assert kept.tolist() == monte_carlo_iteration_times("k_async", P, 2, used, updates=200, seed=0).tolist()
@@ -564,3 +567,24 @@ def test_bad_methods_are_refused():
         expected_local_update_time("async", 2, method="exact")
     with pytest.raises(ValueError, match="no closed form"):
         expected_local_update_time("k_batch_sync", 2, 2, local_steps=2, method="closed_form")
+
+
+def test_twenty_thousand_updates_by_default():
+    """The default run: 20,000 updates. With constant delays d, async takes P = 4 updates at
+    each multiple of d, and the default warm-up (20,000 // 20 = 1,000 updates) is whole rounds,
+    so the estimate is d / P exactly (one update more or less would not be)."""
+    d = 0.5
+    assert len(monte_carlo_iteration_times("async", P, delay=Constant(d))) == 20000
+    assert expected_iteration_time("async", P, delay=Constant(d)) == pytest.approx(d / P, rel=1e-12)
+    h = 3  # and with local steps: two learners, pushes every H d
+    assert expected_local_update_time("async", 2, delay=Constant(d), local_steps=h) == pytest.approx(h * d / 2, rel=1e-12)
+
+
+def test_times_of_a_narrow_float_dtype_are_divided_in_double_precision():
+    """j = t / E[T] in float64 whatever the dtype of t: times read as float32 (from a log, a
+    tensor) give the bound of the same times in float64, not of a j rounded to float32."""
+    e_t = 0.3
+    args = dict(k=2, initial_gap=3.0, **BOUND)
+    times = [1.0, 10.0, 25.0]
+    narrow = error_against_time(np.asarray(times, dtype=np.float32), e_t, **args)
+    assert narrow.tolist() == pytest.approx(error_against_time(times, e_t, **args), rel=1e-13)
