@@ -93,8 +93,9 @@ EQUIVALENT: dict[str, str] = {
         "one gradient (K = 1) averaged by the general path: the same values times 1.0, in a copy "
         "where the fast path lets the parameters' grads view the push",
     **{f"lightning_stale.engine.state.xǁModelVectorsǁ_load__mutmut_{n}":
-       "the load's copy without `non_blocking`: it only lets a copy from pinned host memory "
-       "overlap; the stream's order gives every later use the same values"
+       "the load's copy without `non_blocking`: it only makes a copy between a GPU and pinned "
+       "host memory asynchronous; a GPU destination is read in stream order and a module's host "
+       "tensors are not pinned, so every later read sees the same values"
        for n in (11, 15)},
     "lightning_stale.engine.state.xǁModelVectorsǁpush_vector__mutmut_14":
         "`to_dense()` of every gradient: for a dense gradient it returns the gradient itself",
