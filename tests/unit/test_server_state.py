@@ -615,3 +615,16 @@ def test_a_missing_gradients_zeros_take_the_vectors_dtype_not_torchs_default():
     finally:
         torch.set_default_dtype(default)
     assert masked and payload.dtype == torch.float32
+
+
+def test_pushes_of_a_half_precision_model_are_float32_without_a_float32_part():
+    """Never narrower than float32, even where no part of the push (no float32 buffer, no
+    zeros, no mask) would make the concatenation float32 by itself."""
+    module = Mixed(torch.float16)
+    module.w.grad, module.b.grad = torch.ones(2, 2, dtype=torch.float16), torch.ones(1, dtype=torch.float16)
+    payload, masked = ModelVectors.of(module, buffers=False).push_vector()
+    assert not masked and payload.dtype == torch.float32
+    module.requires_grad_(False)  # only the buffers travel: a half-precision mean and a counter
+    module.count.data = module.count.to(torch.float16)
+    payload, _ = ModelVectors.of(module).push_vector()
+    assert payload.dtype == torch.float32 and payload.tolist() == [6.0, 7.0, 8.0]

@@ -588,3 +588,11 @@ def test_times_of_a_narrow_float_dtype_are_divided_in_double_precision():
     times = [1.0, 10.0, 25.0]
     narrow = error_against_time(np.asarray(times, dtype=np.float32), e_t, **args)
     assert narrow.tolist() == pytest.approx(error_against_time(times, e_t, **args), rel=1e-13)
+
+
+def test_iteration_counts_of_a_narrow_float_dtype_give_a_double_precision_bound():
+    # j = 1.5 and 10.25 are exact in float32: only the power and the sums could lose precision
+    j = [1.5, 10.25]
+    narrow = sync_error_bound(np.asarray(j, dtype=np.float32), k=1, initial_gap=3.0, **BOUND)
+    assert narrow.dtype == np.float64
+    assert narrow.tolist() == pytest.approx(sync_error_bound(j, k=1, initial_gap=3.0, **BOUND), rel=1e-13)
