@@ -474,6 +474,8 @@ def test_vectors_go_to_the_device_asked_for_and_a_model_without_tensors_gives_em
     assert empty.state_vector(device=meta).device == meta and empty.state_vector().numel() == 0
     out = torch.empty(0, dtype=torch.float64)
     assert empty.state_vector(out=out) is out
+    payload, masked = empty.push_vector(mask=True)  # a mask of no flags is still of the vectors' dtype
+    assert masked and payload.numel() == 0 and payload.dtype == torch.float32
 
 
 def test_loading_a_state_rounds_integer_buffers_and_keeps_floats():
@@ -612,9 +614,12 @@ def test_a_missing_gradients_zeros_take_the_vectors_dtype_not_torchs_default():
     torch.set_default_dtype(torch.float64)
     try:
         payload, masked = vectors.push_vector()
+        empty = ModelVectors([]).push_vector()[0]
+        empty_state = ModelVectors([]).state_vector()
     finally:
         torch.set_default_dtype(default)
     assert masked and payload.dtype == torch.float32
+    assert empty.dtype == torch.float32 and empty_state.dtype == torch.float32
 
 
 def test_pushes_of_a_half_precision_model_are_float32_without_a_float32_part():
