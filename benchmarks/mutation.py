@@ -99,6 +99,19 @@ EQUIVALENT: dict[str, str] = {
        for n in (11, 15)},
     "lightning_stale.engine.state.xǁModelVectorsǁpush_vector__mutmut_14":
         "`to_dense()` of every gradient: for a dense gradient it returns the gradient itself",
+    "lightning_stale.engine.state.x_clone_optimizer__mutmut_21":
+        "`cls = type(None)`: every optimizer is copied the fallback way, which gives the same "
+        "groups, defaults, state and attributes (Optimizer.__getstate__ carries no hooks either)",
+    **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":
+       "the fallback's deepcopy without the memo: Optimizer.__getstate__ hands it only defaults, "
+       "state and param_groups; the next lines replace every group's params and clear the state, "
+       "so the memo only spares copies that are dropped"
+       for n in (40, 42)},
+    "lightning_stale.engine.state.x_clone_optimizer__mutmut_61":
+        "`getattr(value, '_wrapped_by_lr_sched', None)`: None and False are both false under `not`",
+    "lightning_stale.engine.state.x_clone_optimizer__mutmut_84":
+        "a state tensor deep-copied instead of detached and cloned: optimizers make their state "
+        "under no_grad, so both give an independent copy of the same values",
     "lightning_stale.engine.state.x__joined__mutmut_11":
         "the two ways of joining swapped for parts on one device: both give the same vector and "
         "use out alike; joining first only saves a copy per part from another device",

@@ -559,6 +559,7 @@ def test_a_copied_optimizer_keeps_its_own_attributes_and_the_learners_state():
             super().__init__(params, lr=lr, momentum=0.5)
             self.schedule = schedule  # a constructor argument its defaults do not hold
             self.me = self  # what points at the optimizer points at the clone
+            self.watched = self.param_groups[0]["params"][0]  # and at a parameter, at its copy
 
     torch.manual_seed(0)
     module = nn.Linear(2, 1)
@@ -568,7 +569,7 @@ def test_a_copied_optimizer_keeps_its_own_attributes_and_the_learners_state():
     copies = _copies(module)
     clone = clone_optimizer(optimizer, copies)
     assert clone.schedule == [1, 2] and clone.schedule is not optimizer.schedule
-    assert clone.me is clone
+    assert clone.me is clone and clone.watched is copies[id(module.weight)]
     assert [p is copies[id(q)] for p, q in zip(clone.param_groups[0]["params"], module.parameters())] == [True, True]
     assert set(map(id, clone.state)) == {id(c) for c in copies.values()}
     assert torch.equal(clone.state[copies[id(module.weight)]]["momentum_buffer"],
@@ -579,12 +580,28 @@ def test_a_rebuilt_optimizer_keeps_what_was_set_on_it_and_state_that_is_not_a_te
     module = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     optimizer.warmup = {"steps": 10}  # set by a user's code after construction
-    optimizer.state[module.weight]["history"] = [1.0, 2.0]
+    optimizer.state[module.weight]["history"] = [[1.0], [2.0]]
     copies = _copies(module)
     clone = clone_optimizer(optimizer, copies)
     assert clone.warmup == {"steps": 10} and clone.warmup is not optimizer.warmup
     history = clone.state[copies[id(module.weight)]]["history"]
-    assert history == [1.0, 2.0] and history is not optimizer.state[module.weight]["history"]
+    assert history == [[1.0], [2.0]] and history[0] is not optimizer.state[module.weight]["history"][0]
+
+
+def test_the_rebuilt_optimizer_runs_none_of_the_learners_step_hooks():
+    """Hooks registered on the learner's optimizer act on the learner's objects: the server's
+    optimizer is built anew, without them."""
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    calls = []
+    optimizer.register_step_pre_hook(lambda *args: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+    copies = _copies(module)
+    clone = clone_optimizer(optimizer, copies)
+    for p in copies.values():
+        p.grad = torch.ones_like(p)
+    clone.step()
+    assert calls == []
 
 
 def test_a_copied_shard_holds_no_state_of_the_tensors_outside_it():
