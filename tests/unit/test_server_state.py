@@ -478,6 +478,17 @@ def test_vectors_go_to_the_device_asked_for_and_a_model_without_tensors_gives_em
     assert masked and payload.numel() == 0 and payload.dtype == torch.float32
 
 
+def test_vectors_are_on_the_cpu_by_default_whatever_torchs_default_device():
+    empty = ModelVectors([])
+    default = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        state, push = empty.state_vector(), empty.push_vector()[0]
+    finally:
+        torch.set_default_device(default)
+    assert state.device.type == "cpu" and push.device.type == "cpu"
+
+
 def test_loading_a_state_rounds_integer_buffers_and_keeps_floats():
     module = Mixed()
     vectors = ModelVectors.of(module)

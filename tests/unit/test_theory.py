@@ -401,6 +401,7 @@ def test_the_limits_of_the_step_size_and_the_constants_are_inclusive():
 @pytest.mark.parametrize("change,message", [
     (dict(eta=float("inf")), "eta must be a finite number > 0"),
     (dict(eta=-0.1), "eta must be a finite number > 0"),
+    (dict(smoothness=-1.0), "smoothness L must be a finite number > 0"),
     (dict(strong_convexity=0.0), "strong_convexity c must be a finite number > 0"),
     (dict(gradient_variance=-1.0), "gradient_variance sigma\\^2 must be a finite number >= 0"),
     (dict(k=0), "k must be an integer >= 1"),
