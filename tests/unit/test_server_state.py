@@ -466,6 +466,8 @@ def test_vectors_go_to_the_device_asked_for_and_a_model_without_tensors_gives_em
     assert vectors.device == torch.device("cpu")
     assert vectors.push_vector(device=meta)[0].device == meta
     assert vectors.state_vector(device=meta).device == meta
+    into = torch.empty(vectors.state_numel, device=meta)  # a place elsewhere: written there
+    assert vectors.state_vector(out=into) is into
     assert ModelVectors.of(Mixed().to(meta)).device.type == "meta"
     empty = ModelVectors([])
     assert empty.device == torch.device("cpu")
