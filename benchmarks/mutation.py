@@ -92,6 +92,10 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.engine.state.xǁServerStateǁapply__mutmut_13":
         "one gradient (K = 1) averaged by the general path: the same values times 1.0, in a copy "
         "where the fast path lets the parameters' grads view the push",
+    **{f"lightning_stale.engine.state.xǁModelVectorsǁof__mutmut_{n}":
+       "`state_dict(keep_vars=False/None)` where only its names are read (which buffers are "
+       "persistent): keep_vars changes its values (detached or not), not its keys"
+       for n in (3, 4)},
     **{f"lightning_stale.engine.state.xǁModelVectorsǁ_load__mutmut_{n}":
        "the load's copy without `non_blocking`: it only makes a copy between a GPU and pinned "
        "host memory asynchronous; a GPU destination is read in stream order and a module's host "
