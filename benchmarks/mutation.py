@@ -103,9 +103,16 @@ EQUIVALENT: dict[str, str] = {
        for n in (11, 15)},
     "lightning_stale.engine.state.xǁModelVectorsǁpush_vector__mutmut_14":
         "`to_dense()` of every gradient: for a dense gradient it returns the gradient itself",
-    "lightning_stale.engine.state.x_clone_optimizer__mutmut_21":
-        "`cls = type(None)`: every optimizer is copied the fallback way, which gives the same "
-        "groups, defaults, state and attributes (Optimizer.__getstate__ carries no hooks either)",
+    **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":
+       "the rebuild made to fail (no groups, no class, no accepted options, groups without "
+       "'params'): the fallback copy then gives the same groups, defaults, state and attributes "
+       "(Optimizer.__getstate__ carries no hooks either); only the learner's state is copied once "
+       "more on the way"
+       for n in (13, 17, 18, 20, 21, 22)},
+    **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":
+       "the group's options filtered by another name than 'params': the original 'params' entry "
+       "is then overwritten by the server's tensors, the next key of the same dict"
+       for n in (15, 16)},
     **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":
        "the fallback's deepcopy without the memo: Optimizer.__getstate__ hands it only defaults, "
        "state and param_groups; the next lines replace every group's params and clear the state, "

@@ -597,3 +597,19 @@ def test_iteration_counts_of_a_narrow_float_dtype_give_a_double_precision_bound(
     narrow = sync_error_bound(np.asarray(j, dtype=np.float32), k=1, initial_gap=3.0, **BOUND)
     assert narrow.dtype == np.float64
     assert narrow.tolist() == pytest.approx(sync_error_bound(j, k=1, initial_gap=3.0, **BOUND), rel=1e-13)
+
+
+def test_a_name_p_and_k_are_the_variant_they_name():
+    """K given with a variant's name is used (not the default K, P / 2), by every entry point."""
+    variant, delay = Variant.create("k_sync", P, 3), Exponential(1.0)
+    assert Variant.create("k_sync", P).k != 3
+    runs = dict(updates=60, seed=2)
+    assert monte_carlo_iteration_times("k_sync", P, 3, delay, **runs).tolist() == \
+        monte_carlo_iteration_times(variant, delay=delay, **runs).tolist()
+    assert expected_iteration_time("k_sync", P, 3, delay, method="monte_carlo", **runs) == \
+        expected_iteration_time(variant, delay=delay, method="monte_carlo", **runs)
+    assert monte_carlo_local_update_times("k_sync", P, 3, delay, local_steps=2, **runs).tolist() == \
+        monte_carlo_local_update_times(variant, delay=delay, local_steps=2, **runs).tolist()
+    assert expected_local_update_time("k_sync", P, 3, delay, local_steps=2, method="monte_carlo", **runs) == \
+        expected_local_update_time(variant, delay=delay, local_steps=2, method="monte_carlo", **runs)
+    assert expected_local_update_time("k_sync", P, 3, EXP_HALF, local_steps=1) == pytest.approx(_order_statistic(3, 0.0))
