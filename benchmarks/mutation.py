@@ -108,7 +108,7 @@ EQUIVALENT: dict[str, str] = {
        "'params'): the fallback copy then gives the same groups, defaults, state and attributes "
        "(Optimizer.__getstate__ carries no hooks either); only the learner's state is copied once "
        "more on the way"
-       for n in (13, 17, 18, 20, 21, 22)},
+       for n in (13, 17, 18, 20, 21, 22, 34, 35)},
     **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":
        "the group's options filtered by another name than 'params': the original 'params' entry "
        "is then overwritten by the server's tensors, the next key of the same dict"

@@ -622,6 +622,7 @@ def test_a_copied_shard_holds_no_state_of_the_tensors_outside_it():
         def __init__(self, params, schedule, lr=0.1):
             super().__init__(params, lr=lr, momentum=0.5)
             self.schedule = schedule
+            self.watched = self.param_groups[0]["params"][1]  # the bias, outside the shard
 
     torch.manual_seed(0)
     module = nn.Linear(2, 1)
@@ -632,6 +633,7 @@ def test_a_copied_shard_holds_no_state_of_the_tensors_outside_it():
     shard = clone_optimizer(optimizer, mapping, only_mapped=True)
     assert shard.param_groups[0]["params"] == [mapping[id(module.weight)]]
     assert list(shard.state) == [mapping[id(module.weight)]]
+    assert shard.watched is module.bias  # a tensor the shard does not hold stays the learner's
 
 
 def test_a_missing_gradients_zeros_take_the_vectors_dtype_not_torchs_default():
