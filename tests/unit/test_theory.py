@@ -613,3 +613,11 @@ def test_a_name_p_and_k_are_the_variant_they_name():
     assert expected_local_update_time("k_sync", P, 3, delay, local_steps=2, method="monte_carlo", **runs) == \
         expected_local_update_time(variant, delay=delay, local_steps=2, method="monte_carlo", **runs)
     assert expected_local_update_time("k_sync", P, 3, EXP_HALF, local_steps=1) == pytest.approx(_order_statistic(3, 0.0))
+
+
+def test_a_warmup_given_with_local_steps_is_used():
+    """Constant delays of d = 0.5 s, H = 3, two async learners: updates 2i - 1 and 2i both come at
+    i H d. After a warm-up of 1 update the estimate is (t_10 - t_1) / 9 = (7.5 - 1.5) / 9."""
+    estimate = expected_local_update_time("async", 2, delay=Constant(0.5), local_steps=3, updates=10,
+                                          warmup=1, method="monte_carlo")
+    assert estimate == pytest.approx((7.5 - 1.5) / 9)
