@@ -647,11 +647,12 @@ def test_a_missing_gradients_zeros_take_the_vectors_dtype_not_torchs_default():
     try:
         payload, masked = vectors.push_vector()
         empty = ModelVectors([]).push_vector()[0]
+        empty_masked = ModelVectors([]).push_vector(mask=True)[0]
         empty_state = ModelVectors([]).state_vector()
     finally:
         torch.set_default_dtype(default)
     assert masked and payload.dtype == torch.float32
-    assert empty.dtype == torch.float32 and empty_state.dtype == torch.float32
+    assert empty.dtype == empty_masked.dtype == empty_state.dtype == torch.float32
 
 
 def test_pushes_of_a_half_precision_model_are_float32_without_a_float32_part():
