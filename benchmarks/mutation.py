@@ -92,6 +92,42 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.engine.state.xǁServerStateǁapply__mutmut_13":
         "one gradient (K = 1) averaged by the general path: the same values times 1.0, in a copy "
         "where the fast path lets the parameters' grads view the push",
+    **{f"lightning_stale.engine.state.xǁModelVectorsǁof__mutmut_{n}":
+       "`state_dict(keep_vars=False/None)` where only its names are read (which buffers are "
+       "persistent): keep_vars changes its values (detached or not), not its keys"
+       for n in (3, 4)},
+    **{f"lightning_stale.engine.state.xǁModelVectorsǁ_load__mutmut_{n}":
+       "the load's copy without `non_blocking`: it only makes a copy between a GPU and pinned "
+       "host memory asynchronous; a GPU destination is read in stream order and a module's host "
+       "tensors are not pinned, so every later read sees the same values"
+       for n in (11, 15)},
+    "lightning_stale.engine.state.xǁModelVectorsǁpush_vector__mutmut_14":
+        "`to_dense()` of every gradient: for a dense gradient it returns the gradient itself",
+    **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":
+       "the rebuild made to fail (no groups, no class, no accepted options, groups without "
+       "'params'): the fallback copy then gives the same groups, defaults, state and attributes "
+       "(Optimizer.__getstate__ carries no hooks either); only the learner's state is copied once "
+       "more on the way"
+       for n in (13, 17, 18, 20, 21, 22, 34, 35)},
+    **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":
+       "the group's options filtered by another name than 'params': the original 'params' entry "
+       "is then overwritten by the server's tensors, the next key of the same dict"
+       for n in (15, 16)},
+    **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":
+       "the fallback's deepcopy without the memo: Optimizer.__getstate__ hands it only defaults, "
+       "state and param_groups; the next lines replace every group's params and clear the state, "
+       "so the memo only spares copies that are dropped"
+       for n in (40, 42)},
+    "lightning_stale.engine.state.x_clone_optimizer__mutmut_61":
+        "`getattr(value, '_wrapped_by_lr_sched', None)`: None and False are both false under `not`",
+    "lightning_stale.engine.state.x_clone_optimizer__mutmut_84":
+        "a state tensor deep-copied instead of detached and cloned: optimizers make their state "
+        "under no_grad, so both give an independent copy of the same values",
+    **{f"lightning_stale.method.local.x_erlang_order_statistic_mean__mutmut_{n}":
+       "the quadrature with scipy's default tolerance (1.5e-8) or subinterval limit (50), or a "
+       "limit of 201: the survival function is smooth and quad meets its tolerance long before "
+       "either limit; the mean moves by under 1e-13 relative (checked for P up to 32, H up to 50)"
+       for n in (44, 45, 46, 48)},
     "lightning_stale.engine.state.x__joined__mutmut_11":
         "the two ways of joining swapped for parts on one device: both give the same vector and "
         "use out alike; joining first only saves a copy per part from another device",

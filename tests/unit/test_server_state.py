@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_stale.engine.state import Contribution, ModelVectors, ServerState, clone_optimizer
+from lightning_stale.engine.state import Contribution, ModelVectors, ServerState, clone_optimizer, named_state
 
 
 def make(optimizer_cls=torch.optim.SGD, **kw):
@@ -384,3 +384,285 @@ def test_load_gradients_skips_absent_tensors_and_matches_each_parameters_device_
     assert params[0].grad is None  # absent from every push: the optimizer skips it
     assert params[1].grad.dtype == torch.float64 and params[1].grad.tolist() == [2.0, 3.0]
     assert params[2].grad.device.type == "meta"
+
+
+# ---------------------------------------------------------------- the learner's side of the vectors
+class Mixed(nn.Module):
+    """A frozen tensor, two trainable ones, a float buffer, an integer counter and a buffer that
+    state_dict leaves out (non-persistent)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.frozen = nn.Parameter(torch.zeros(2, dtype=dtype), requires_grad=False)
+        self.w = nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=dtype))
+        self.b = nn.Parameter(torch.tensor([5.0], dtype=dtype))
+        self.register_buffer("mean", torch.tensor([6.0, 7.0], dtype=dtype))
+        self.register_buffer("count", torch.tensor(8))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+def test_vectors_hold_the_trainable_parameters_then_the_persistent_buffers():
+    module = Mixed()
+    vectors = ModelVectors.of(module)
+    assert [id(t) for t in vectors.params] == [id(module.w), id(module.b)]
+    assert [id(t) for t in vectors.buffers] == [id(module.mean), id(module.count)]
+    assert vectors.state_vector().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert ModelVectors.of(module, buffers=False).buffers == []
+    assert ModelVectors.of(module, buffers=False).state_vector().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("params,buffer,expected", [
+    (torch.float64, torch.float32, torch.float64),   # the widest parameter
+    (torch.float16, torch.float16, torch.float32),   # never narrower than float32
+    (torch.float32, torch.float64, torch.float64),   # a float buffer counts too
+])
+def test_the_vectors_dtype_is_the_widest_floating_one(params, buffer, expected):
+    module = Mixed(params)
+    module.mean.data = module.mean.to(buffer)
+    vectors = ModelVectors.of(module)
+    assert vectors.dtype == expected and vectors.state_vector().dtype == expected
+    module.w.grad = torch.ones_like(module.w)
+    module.b.grad = torch.ones_like(module.b)
+    assert vectors.push_vector()[0].dtype == expected
+
+
+def test_a_push_with_a_mask_asked_for_or_a_missing_gradient():
+    module = Mixed()
+    vectors = ModelVectors.of(module)
+    module.w.grad = torch.full((2, 2), 0.5)
+    # b has no gradient: zeros in its place, and the mask says so
+    payload, masked = vectors.push_vector()
+    assert masked and payload.tolist() == [0.5] * 4 + [0.0] + [6.0, 7.0, 8.0] + [1.0, 0.0]
+    part = vectors.split_push(payload, masked)
+    assert part.gradient.tolist() == [0.5] * 4 + [0.0] and part.buffers.tolist() == [6.0, 7.0, 8.0]
+    assert part.present.dtype == torch.bool and part.present.tolist() == [True, False]
+    module.b.grad = torch.tensor([2.0])
+    payload, masked = vectors.push_vector()
+    assert not masked and payload.tolist() == [0.5] * 4 + [2.0, 6.0, 7.0, 8.0]
+    assert vectors.split_push(payload, masked).present is None
+    payload, masked = vectors.push_vector(mask=True)  # asked for: every flag set
+    assert masked and payload.tolist()[-2:] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="a push of 10 values, expected 8"):
+        vectors.split_push(payload, False)
+    with pytest.raises(ValueError, match="a push of 8 values, expected 10"):
+        vectors.split_push(payload[:8], True)
+    bare = ModelVectors.of(module, buffers=False)
+    assert bare.split_push(*bare.push_vector()).buffers is None
+
+
+def test_a_sparse_gradient_is_pushed_dense():
+    module = nn.Embedding(4, 2, sparse=True)
+    module(torch.tensor([1, 1, 3])).sum().backward()
+    assert module.weight.grad.is_sparse
+    payload, masked = ModelVectors.of(module).push_vector()
+    assert not masked and payload.view(4, 2).tolist() == [[0.0, 0.0], [2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]
+
+
+def test_vectors_go_to_the_device_asked_for_and_a_model_without_tensors_gives_empty_ones():
+    meta = torch.device("meta")  # (meta stands in for a GPU)
+    module = Mixed()
+    module.w.grad, module.b.grad = torch.ones(2, 2), torch.ones(1)
+    vectors = ModelVectors.of(module)
+    assert vectors.device == torch.device("cpu")
+    assert vectors.push_vector(device=meta)[0].device == meta
+    assert vectors.state_vector(device=meta).device == meta
+    into = torch.empty(vectors.state_numel, device=meta)  # a place elsewhere: written there
+    assert vectors.state_vector(out=into) is into
+    assert ModelVectors.of(Mixed().to(meta)).device.type == "meta"
+    empty = ModelVectors([])
+    assert empty.device == torch.device("cpu")
+    payload, masked = empty.push_vector(device=meta)
+    assert payload.numel() == 0 and payload.device == meta and payload.dtype == torch.float32 and not masked
+    assert empty.state_vector(device=meta).device == meta and empty.state_vector().numel() == 0
+    out = torch.empty(0, dtype=torch.float64)
+    assert empty.state_vector(out=out) is out
+    payload, masked = empty.push_vector(mask=True)  # a mask of no flags is still of the vectors' dtype
+    assert masked and payload.numel() == 0 and payload.dtype == torch.float32
+
+
+def test_vectors_are_on_the_cpu_by_default_whatever_torchs_default_device():
+    empty = ModelVectors([])
+    default = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        state, push = empty.state_vector(), empty.push_vector()[0]
+    finally:
+        torch.set_default_device(default)
+    assert state.device.type == "cpu" and push.device.type == "cpu"
+
+
+def test_loading_a_state_rounds_integer_buffers_and_keeps_floats():
+    module = Mixed()
+    vectors = ModelVectors.of(module)
+    vectors.load_state(torch.tensor([0.5, 1.5, 2.5, 3.25, 4.75, 5.5, 6.5, 8.6]))
+    assert module.w.tolist() == [[0.5, 1.5], [2.5, 3.25]] and module.b.tolist() == [4.75]
+    assert module.mean.tolist() == [5.5, 6.5] and module.count.item() == 9  # 8.6 rounded, not cut
+    with pytest.raises(ValueError, match="flat vector has 7 values, the module has 8"):
+        vectors.load_state(torch.zeros(7))
+
+
+def test_named_state_names_copies_in_each_tensors_dtype():
+    module = Mixed(torch.float64)
+    vector = torch.arange(1.0, 9.0, dtype=torch.float64)
+    named = named_state(module, vector)
+    assert list(named) == ["w", "b", "mean", "count"]  # state_dict's order; no frozen, no scratch
+    assert named["w"].tolist() == [[1.0, 2.0], [3.0, 4.0]] and named["w"].dtype == torch.float64
+    assert named["count"].dtype == torch.long and named["count"].item() == 8
+    vector.fill_(0.0)
+    assert named["b"].item() == 5.0  # copies, not views of the vector
+    assert list(named_state(module, torch.arange(1.0, 6.0), buffers=False)) == ["w", "b"]
+
+
+# ---------------------------------------------------------------- clone_optimizer
+def _copies(module):
+    return {id(p): p.detach().clone().requires_grad_(True) for p in module.parameters()}
+
+
+def test_a_shard_of_the_optimizer_keeps_every_group_but_only_its_tensors():
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    optimizer = torch.optim.SGD([{"params": module[0].parameters(), "lr": 0.5},
+                                 {"params": module[1].parameters()}], lr=0.1, momentum=0.9)
+    mapping = {id(module[1].weight): module[1].weight.detach().clone().requires_grad_(True)}
+    shard = clone_optimizer(optimizer, mapping, only_mapped=True)
+    assert [len(g["params"]) for g in shard.param_groups] == [0, 1]
+    assert shard.param_groups[1]["params"][0] is mapping[id(module[1].weight)]
+    assert [g["lr"] for g in shard.param_groups] == [0.5, 0.1] and shard.defaults["momentum"] == 0.9
+    whole = clone_optimizer(optimizer, mapping)  # unmapped tensors kept as they are
+    assert whole.param_groups[0]["params"][0] is module[0].weight
+
+
+def test_the_clones_state_is_its_own_copy_of_the_learners():
+    torch.manual_seed(0)
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    copies = _copies(module)
+    clone = clone_optimizer(optimizer, copies)
+    server_state = clone.state[copies[id(module.weight)]]
+    learner_state = optimizer.state[module.weight]
+    assert torch.equal(server_state["exp_avg"], learner_state["exp_avg"])
+    server_state["exp_avg"].add_(1.0)
+    server_state["step"].add_(1.0)
+    assert not torch.equal(server_state["exp_avg"], learner_state["exp_avg"])
+    assert learner_state["step"].item() == 1.0
+    assert module.weight not in clone.state  # keyed by the server's copies only
+
+
+def test_the_clone_steps_the_servers_tensors_even_under_a_learners_scheduler():
+    """A scheduler wraps the learner's ``optimizer.step``; the clone must not carry that wrapper
+    (it would step the learner's optimizer), nor torch's bookkeeping of the learner's."""
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    before = [p.detach().clone() for p in module.parameters()]
+    copies = _copies(module)
+    clone = clone_optimizer(optimizer, copies)
+    for p in copies.values():
+        p.grad = torch.ones_like(p)
+    clone.step()
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+    assert all(torch.equal(copies[id(p)], b - 1.0) for p, b in zip(module.parameters(), before))
+    assert not getattr(optimizer, "_opt_called", False)
+
+
+def test_a_copied_optimizer_keeps_its_own_attributes_and_the_learners_state():
+    class Custom(torch.optim.SGD):
+        def __init__(self, params, schedule, lr=0.1):
+            super().__init__(params, lr=lr, momentum=0.5)
+            self.schedule = schedule  # a constructor argument its defaults do not hold
+            self.me = self  # what points at the optimizer points at the clone
+            self.watched = self.param_groups[0]["params"][0]  # and at a parameter, at its copy
+
+    torch.manual_seed(0)
+    module = nn.Linear(2, 1)
+    optimizer = Custom(module.parameters(), schedule=[1, 2])
+    module(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    copies = _copies(module)
+    clone = clone_optimizer(optimizer, copies)
+    assert clone.schedule == [1, 2] and clone.schedule is not optimizer.schedule
+    assert clone.me is clone and clone.watched is copies[id(module.weight)]
+    assert [p is copies[id(q)] for p, q in zip(clone.param_groups[0]["params"], module.parameters())] == [True, True]
+    assert set(map(id, clone.state)) == {id(c) for c in copies.values()}
+    assert torch.equal(clone.state[copies[id(module.weight)]]["momentum_buffer"],
+                       optimizer.state[module.weight]["momentum_buffer"])
+
+
+def test_a_rebuilt_optimizer_keeps_what_was_set_on_it_and_state_that_is_not_a_tensor():
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    optimizer.warmup = {"steps": 10}  # set by a user's code after construction
+    optimizer.state[module.weight]["history"] = [[1.0], [2.0]]
+    copies = _copies(module)
+    clone = clone_optimizer(optimizer, copies)
+    assert clone.warmup == {"steps": 10} and clone.warmup is not optimizer.warmup
+    history = clone.state[copies[id(module.weight)]]["history"]
+    assert history == [[1.0], [2.0]] and history[0] is not optimizer.state[module.weight]["history"][0]
+
+
+def test_the_rebuilt_optimizer_runs_none_of_the_learners_step_hooks():
+    """Hooks registered on the learner's optimizer act on the learner's objects: the server's
+    optimizer is built anew, without them."""
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    calls = []
+    optimizer.register_step_pre_hook(lambda *args: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+    copies = _copies(module)
+    clone = clone_optimizer(optimizer, copies)
+    for p in copies.values():
+        p.grad = torch.ones_like(p)
+    clone.step()
+    assert calls == []
+
+
+def test_a_copied_shard_holds_no_state_of_the_tensors_outside_it():
+    class Custom(torch.optim.SGD):
+        def __init__(self, params, schedule, lr=0.1):
+            super().__init__(params, lr=lr, momentum=0.5)
+            self.schedule = schedule
+            self.watched = self.param_groups[0]["params"][1]  # the bias, outside the shard
+
+    torch.manual_seed(0)
+    module = nn.Linear(2, 1)
+    optimizer = Custom(module.parameters(), schedule=[1])
+    module(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    mapping = {id(module.weight): module.weight.detach().clone().requires_grad_(True)}
+    shard = clone_optimizer(optimizer, mapping, only_mapped=True)
+    assert shard.param_groups[0]["params"] == [mapping[id(module.weight)]]
+    assert list(shard.state) == [mapping[id(module.weight)]]
+    assert shard.watched is module.bias  # a tensor the shard does not hold stays the learner's
+
+
+def test_a_missing_gradients_zeros_take_the_vectors_dtype_not_torchs_default():
+    """Under ``torch.set_default_dtype(torch.float64)`` (as code made for 64-bit precision sets
+    it) a float32 model still pushes float32 vectors, zeros included."""
+    module = Mixed()
+    module.w.grad = torch.ones(2, 2)  # b has none
+    vectors = ModelVectors.of(module)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        payload, masked = vectors.push_vector()
+        empty = ModelVectors([]).push_vector()[0]
+        empty_masked = ModelVectors([]).push_vector(mask=True)[0]
+        empty_state = ModelVectors([]).state_vector()
+    finally:
+        torch.set_default_dtype(default)
+    assert masked and payload.dtype == torch.float32
+    assert empty.dtype == empty_masked.dtype == empty_state.dtype == torch.float32
+
+
+def test_pushes_of_a_half_precision_model_are_float32_without_a_float32_part():
+    """Never narrower than float32, even where no part of the push (no float32 buffer, no
+    zeros, no mask) would make the concatenation float32 by itself."""
+    module = Mixed(torch.float16)
+    module.w.grad, module.b.grad = torch.ones(2, 2, dtype=torch.float16), torch.ones(1, dtype=torch.float16)
+    payload, masked = ModelVectors.of(module, buffers=False).push_vector()
+    assert not masked and payload.dtype == torch.float32
+    module.requires_grad_(False)  # only the buffers travel: a half-precision mean and a counter
+    module.count.data = module.count.to(torch.float16)
+    payload, _ = ModelVectors.of(module).push_vector()
+    assert payload.dtype == torch.float32 and payload.tolist() == [6.0, 7.0, 8.0]
