@@ -88,12 +88,3 @@ def one_process(monkeypatch):
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the tests that launch real processes (tests/integration) run one at a
-    time on one worker: several launches at once would only share the same cores, and their
-    fault deadlines are the subject. The in-process tests go to the other workers meanwhile."""
-    for item in items:
-        if "integration" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("processes"))
