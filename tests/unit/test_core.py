@@ -186,6 +186,33 @@ def test_a_death_that_lowers_k_to_the_pending_gradients_applies_them_now():
     assert nothing.update is None and not nothing.stopped and nothing.record is None
 
 
+
+def test_a_death_is_not_one_of_the_epochs_pushes():
+    """An epoch ends after its pushes only: a learner removed in it neither counts as one nor
+    ends the epoch, even where its removal completes an update."""
+    core = ServerCore(Variant.create("k_async", 3, 3), make_state(), ServerLimits(pushes_per_epoch=3))
+    core.push(0, 0, 1.0, contribution=g(2.0, 0.0))
+    core.push(1, 0, 2.0, contribution=g(0.0, 4.0))
+    outcome = core.remove_learner(2, 3.0)
+    assert outcome.update is not None and not outcome.epoch_ended and core.epoch == 0
+    assert core.pushes_fit_in_epoch(1) and not core.pushes_fit_in_epoch(2)  # two of three pushed
+    assert core.push(0, 1, 4.0, contribution=g(1.0, 1.0)).epoch_ended and core.epoch == 1
+
+
+def test_a_dropped_push_is_not_held_and_only_a_keeping_core_keeps_old_parameters():
+    core = ServerCore(Variant.create("k_sync", 2, 2), make_state())
+    core.push(0, 0, 1.0, contribution=g(1.0, 1.0))
+    core.push(1, 0, 2.0, contribution=g(1.0, 1.0))  # update 1: both learners refreshed to w_1
+    late = g(5.0, 5.0)
+    outcome = core.push(0, 0, 3.0, contribution=late)  # computed at w_0 before the refresh: stale
+    assert outcome.decision.dropped == "stale" and not core.holds(late)
+    with pytest.raises(KeyError):  # the real server keeps no snapshots: it never computes
+        core.parameters_at(1)
+    keeping = ServerCore(Variant.create("k_sync", 2, 2), make_state(), keep_snapshots=True)
+    keeping.push(0, 0, 1.0, contribution=g(1.0, 1.0))
+    keeping.push(1, 0, 2.0, contribution=g(1.0, 1.0))
+    assert keeping.parameters_at(1).tolist() == [-1.0, -1.0]
+
 def scheduled_state():
     """SGD at lr 1 halved after every update (a per-step StepLR, as Lightning configures it)."""
     from pytorch_lightning.utilities.types import LRSchedulerConfig

@@ -418,3 +418,12 @@ def test_kind_of_and_create_refuse_what_is_not_a_variant_or_a_number_of_learners
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match=rf"^the number of learners P must be a positive integer, got {bad!r}$"):
             Variant.create("sync", bad)
+
+
+def test_a_k_batch_async_pusher_behind_the_server_is_answered_with_the_current_version():
+    r = rules("k_batch_async", k=2)
+    r.on_push(0, 0)
+    assert r.on_push(0, 0).update is not None and r.version == 1  # learner 0's two batches
+    behind = r.on_push(1, 0)  # learner 1 computed at w_0: it pulls w_1 and goes on
+    assert behind.accepted and behind.refresh == (1,) and behind.version == 1
+    assert r.learner_version(1) == 1
