@@ -213,6 +213,44 @@ def test_a_dropped_push_is_not_held_and_only_a_keeping_core_keeps_old_parameters
     keeping.push(1, 0, 2.0, contribution=g(1.0, 1.0))
     assert keeping.parameters_at(1).tolist() == [-1.0, -1.0]
 
+
+class Heard:
+    """A `CoreObserver` that writes down what it is told, with the core it was told by."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        if not name.startswith("on_"):
+            raise AttributeError(name)
+        return lambda core, *args: self.calls.append((name, core, *args))
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_the_observer_hears_every_event_with_its_arguments(stateful):
+    heard = Heard()
+    core = ServerCore(Variant.create("k_async", 3, 2), make_state(lr=0.5) if stateful else None,
+                      ServerLimits(pushes_per_epoch=3), observer=heard)
+    first = core.push(1, 0, 1.0, contribution=g(2.0, 0.0), loss=3.0, samples=4)
+    second = core.push(0, 0, 2.0, contribution=g(0.0, 2.0), loss=1.0, samples=4)
+    core.remove_learner(2, 2.5)
+    held = g(1.0, 1.0)
+    core.push(0, 1, 3.0, contribution=held, loss=0.5, samples=4)  # the epoch's third push
+    core.begin_epoch(4.0, {"val/loss": 0.25})
+    core.stop()
+    assert [c[0] for c in heard.calls] == ["on_push", "on_push", "on_update", "on_remove_learner", "on_push",
+                                           "on_epoch_end", "on_validation", "on_stop"]
+    assert all(c[1] is core for c in heard.calls)
+    assert heard.calls[0][2:] == (first.decision, 1.0, 3.0) and heard.calls[1][2:] == (second.decision, 2.0, 1.0)
+    update, order, weights, lrs = heard.calls[2][2:]
+    assert update is second.update and order == (1, 0) and weights is None  # summed in learner order
+    assert lrs == ((0.5,) if stateful else None)  # read where the core steps the optimizer
+    assert heard.calls[3][2:] == (2, 2.5) and heard.calls[4][3:] == (3.0, 0.5)
+    assert heard.calls[6][2:] == ({"val/loss": 0.25},)
+    assert heard.calls[7][2:] == ((2,),)  # the held push, in flight at the stop
+    core.stop()
+    assert len(heard.calls) == 8  # a second stop is not heard
+
 def scheduled_state():
     """SGD at lr 1 halved after every update (a per-step StepLR, as Lightning configures it)."""
     from pytorch_lightning.utilities.types import LRSchedulerConfig
