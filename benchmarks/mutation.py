@@ -43,15 +43,19 @@ SCOPE = ["lightning_stale.method.rules.*", "lightning_stale.engine.core.*"]
 EQUIVALENT: dict[str, str] = {
     "lightning_stale.method.rules.xǁServerRulesǁremove_learner__mutmut_13":
         "`if self.k >= left: self.k = left`: where k == left the assignment changes nothing",
-    "lightning_stale.engine.core.xǁServerCoreǁ_snapshot_current__mutmut_2":
+    "lightning_stale.engine.core.xǁServerCoreǁ_snapshot_current__mutmut_4":
         "`state.snapshot(None)`: the version only keys ServerState's one-entry cache; the vector "
         "is the current parameters either way, and a later snapshot of the version recomputes it",
-    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_34":
-        "`state.snapshot(None)` at start: as _snapshot_current__mutmut_2 (a cache key only)",
-    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_31":
-        "_last_update_s starts as None: it is read (stats) only once an update has set it",
-    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_32":
+    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_37":
+        "`state.snapshot(None)` at start: as _snapshot_current__mutmut_4 (a cache key only)",
+    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_33":
         "_last_update_s starts as 1.0: it is read (stats) only once an update has set it",
+    "lightning_stale.engine.core.xǁServerCoreǁpush__mutmut_10":
+        "`unusable` passed to ServerRules.on_push after the stop: on_push counts a push after "
+        "the stop as in flight before it reads `unusable`",
+    **{f"lightning_stale.engine.core.xǁServerCoreǁ_apply__mutmut_{n}":
+       "the type named in `typing.cast` changed: cast returns its argument unchanged at run time"
+       for n in (53, 57, 58, 59)},
     **{f"lightning_stale.engine.core.xǁServerCoreǁ_apply__mutmut_{n}":
        "the current parameters taken as `state.snapshot(<another version>)`: the version only "
        "keys ServerState's cache, emptied at every step, so the vector is the current one"
