@@ -40,7 +40,51 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
-class AdaptiveK:
+class _LossByInterval:
+    """F's running estimate at interval boundaries, shared by `AdaptiveK` and `AdaptiveH` (see
+    the module docstring): subclasses set ``interval_s`` and ``window``."""
+
+    interval_s: float
+    window: int
+
+    def _reset_estimate(self) -> None:
+        self.initial_loss: float | None = None
+        self._first_losses: list[float] = []
+        self._recent: deque[float] = deque(maxlen=self.window)
+        self._next_boundary = self.interval_s
+
+    @property
+    def current_loss(self) -> float | None:
+        """The running-mean estimate of F at the latest observation."""
+        return sum(self._recent) / len(self._recent) if self._recent else None
+
+    def _at_boundary(self, time_s: float, loss: float) -> tuple[float, float] | None:
+        """Take one update's loss; at the first update of a new interval, (F at the start, F
+        now), else None."""
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return None
+        self._recent.append(loss)
+        if self.initial_loss is None:
+            self._first_losses.append(loss)
+            if len(self._first_losses) == self.window:
+                self._freeze_initial_loss()
+        if time_s < self._next_boundary:
+            return None
+        # Several intervals may have passed since the last update: the next boundary is the one
+        # after the interval that time_s falls in.
+        self._next_boundary = (math.floor(time_s / self.interval_s) + 1) * self.interval_s
+        if self.initial_loss is None:
+            self._freeze_initial_loss()
+        assert self.initial_loss is not None and self.current_loss is not None
+        return self.initial_loss, self.current_loss
+
+    def _freeze_initial_loss(self) -> None:
+        self.initial_loss = sum(self._first_losses) / len(self._first_losses)
+        self._first_losses = []
+
+
+class AdaptiveK(_LossByInterval):
     """The AdaSync schedule of K (see the module docstring).
 
     Args:
@@ -87,10 +131,7 @@ class AdaptiveK:
         """Forget everything observed: K back to k0."""
         self.k = self.k0
         self.history: list[tuple[float, int]] = [(0.0, self.k0)]
-        self.initial_loss: float | None = None
-        self._first_losses: list[float] = []
-        self._recent: deque[float] = deque(maxlen=self.window)
-        self._next_boundary = self.interval_s
+        self._reset_estimate()
 
     def limit(self, p: int) -> None:
         """Cap K at P learners (the engine calls this); K_0 must not exceed P."""
@@ -98,11 +139,6 @@ class AdaptiveK:
         if self.k0 > p:
             raise ValueError(f"AdaptiveK k0={self.k0} exceeds the number of learners P={p}")
         self.max_k = p if self.max_k is None else min(self.max_k, p)
-
-    @property
-    def current_loss(self) -> float | None:
-        """The running-mean estimate of F at the latest observation."""
-        return sum(self._recent) / len(self._recent) if self._recent else None
 
     def target_k(self, initial_loss: float, current_loss: float) -> int:
         """ceil(K_0 sqrt(F(w_0) / F(w))), capped at max_k (not yet the never-decrease rule)."""
@@ -116,39 +152,22 @@ class AdaptiveK:
     def observe(self, time_s: float, loss: float) -> int | None:
         """Report one update's loss at engine time ``time_s``; returns the new K when an interval
         boundary was crossed and K grew, else None."""
-        loss = float(loss)
-        if not math.isfinite(loss):
+        losses = self._at_boundary(time_s, loss)
+        if losses is None:
             return None
-        self._recent.append(loss)
-        if self.initial_loss is None:
-            self._first_losses.append(loss)
-            if len(self._first_losses) == self.window:
-                self._freeze_initial_loss()
-        if time_s < self._next_boundary:
-            return None
-        # Several intervals may have passed since the last update: the next boundary is the one
-        # after the interval that time_s falls in.
-        self._next_boundary = (math.floor(time_s / self.interval_s) + 1) * self.interval_s
-        if self.initial_loss is None:
-            self._freeze_initial_loss()
-        assert self.initial_loss is not None and self.current_loss is not None
-        k = max(self.k, self.target_k(self.initial_loss, self.current_loss))
+        k = max(self.k, self.target_k(*losses))
         if k == self.k:
             return None
         self.k = k
         self.history.append((float(time_s), k))
         return k
 
-    def _freeze_initial_loss(self) -> None:
-        self.initial_loss = sum(self._first_losses) / len(self._first_losses)
-        self._first_losses = []
-
     def __repr__(self) -> str:
         return (f"AdaptiveK(k0={self.k0}, interval_s={self.interval_s}, max_k={self.max_k}, "
                 f"window={self.window})")
 
 
-class AdaptiveH:
+class AdaptiveH(_LossByInterval):
     """AdaComm's schedule of the communication period H: H shrinks as the training loss falls.
 
     Wang and Joshi, "Adaptive Communication Strategies to Achieve the Best Error-Runtime
@@ -158,8 +177,8 @@ class AdaptiveH:
         H_l = ceil(sqrt(F(x_l) / F(x_0)) * H_0),
 
     never below 1 (the paper's rule for a fixed learning rate, F's floor taken as 0; its variant
-    for a changing rate is not provided). Infrequent averaging first (fast progress per second), frequent averaging
-    later (a lower error floor): the mirror of AdaSync's growing K (`AdaptiveK`). As AdaSync's K
+    for a changing rate is not provided). Infrequent averaging first (fast progress per second),
+    frequent averaging later (a lower error floor): the mirror of AdaSync's growing K (`AdaptiveK`). As AdaSync's K
     never decreases, H here never grows: a noisy loss estimate keeps the H in force.
 
     F is estimated as `AdaptiveK` estimates it, from the losses of the updates (with local
@@ -217,15 +236,7 @@ class AdaptiveH:
         """Forget everything observed: H back to h0."""
         self.h = self.h0
         self.history: list[tuple[float, int]] = [(0.0, self.h0)]
-        self.initial_loss: float | None = None
-        self._first_losses: list[float] = []
-        self._recent: deque[float] = deque(maxlen=self.window)
-        self._next_boundary = self.interval_s
-
-    @property
-    def current_loss(self) -> float | None:
-        """The running-mean estimate of F at the latest observation."""
-        return sum(self._recent) / len(self._recent) if self._recent else None
+        self._reset_estimate()
 
     def target_h(self, initial_loss: float, current_loss: float) -> int:
         """ceil(sqrt(F(x_l) / F(x_0)) * H_0), at least 1 (not yet the never-grow rule)."""
@@ -240,32 +251,15 @@ class AdaptiveH:
     def observe(self, time_s: float, loss: float) -> int | None:
         """Report one update's loss at engine time ``time_s``; returns the new H when an interval
         boundary was crossed and H shrank, else None."""
-        loss = float(loss)
-        if not math.isfinite(loss):
+        losses = self._at_boundary(time_s, loss)
+        if losses is None:
             return None
-        self._recent.append(loss)
-        if self.initial_loss is None:
-            self._first_losses.append(loss)
-            if len(self._first_losses) == self.window:
-                self._freeze_initial_loss()
-        if time_s < self._next_boundary:
-            return None
-        # Several intervals may have passed since the last update: the next boundary is the one
-        # after the interval that time_s falls in.
-        self._next_boundary = (math.floor(time_s / self.interval_s) + 1) * self.interval_s
-        if self.initial_loss is None:
-            self._freeze_initial_loss()
-        assert self.initial_loss is not None and self.current_loss is not None
-        h = min(self.h, self.target_h(self.initial_loss, self.current_loss))
+        h = min(self.h, self.target_h(*losses))
         if h == self.h:
             return None
         self.h = h
         self.history.append((float(time_s), h))
         return h
-
-    def _freeze_initial_loss(self) -> None:
-        self.initial_loss = sum(self._first_losses) / len(self._first_losses)
-        self._first_losses = []
 
     def __repr__(self) -> str:
         return f"AdaptiveH(h0={self.h0}, interval_s={self.interval_s}, window={self.window})"
