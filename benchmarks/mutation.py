@@ -6,7 +6,7 @@ One command, from the checkout's root (mutmut and its settings: pyproject.toml's
 
     nice -n 10 python benchmarks/mutation.py
 
-It runs ``mutmut run --max-children 1`` (one worker: CPU is shared; mutmut keeps its work in
+It runs ``mutmut run --max-children 1`` (one worker by default, as CPU is shared; mutmut keeps its work in
 ./mutants/: with ``all`` a second run checks only mutants without a verdict, while name
 patterns recheck every mutant they match) over the mutants of ``--scope`` (mutmut
 name patterns; default: rules.py and core.py, the decisions and the update, about 580 mutants,
@@ -266,10 +266,14 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="write the result from ./mutants/ without running")
     parser.add_argument("--scope", nargs="+", default=SCOPE,
                         help="mutmut name patterns of the mutants run, or 'all' (default: %(default)s)")
+    parser.add_argument("--max-children", type=int, default=1,
+                        help="mutants tested at once (default: %(default)s, for a shared machine)")
     args = parser.parse_args()
+    if args.max_children < 1:
+        parser.error(f"--max-children must be at least 1, got {args.max_children}")
     scope = [] if args.scope == ["all"] else args.scope
     if not args.report_only:
-        mutmut("run", "--max-children", "1", *scope, check=False)  # (its exit status says nothing about survivors)
+        mutmut("run", "--max-children", str(args.max_children), *scope, check=False)  # (its exit status says nothing about survivors)
     part = {**scope_figures(scope), "commit": commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     # The file keeps every scope run: this run replaces the scopes whose mutants it covers
