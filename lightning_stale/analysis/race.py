@@ -174,13 +174,15 @@ def plot_tradeoff(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]]) -> Fig
     and marker: the contestants' places on the error-runtime trade-off."""
     figure = Figure(figsize=(7.0, 4.5), dpi=110, layout="constrained")
     axes = figure.add_subplot()
-    for run, row in zip(runs, rows):
+    for index, (run, row) in enumerate(zip(runs, rows)):
         x, y = row["train time (s)"], row["final loss"]
         if not (math.isfinite(x) and math.isfinite(y)):
             continue
         axes.plot([x], [y], ls="none", marker=MARKERS.get(run.variant, "o"), ms=8,
                   color=run_color(run), markeredgecolor="black", label=run.label)
-        axes.annotate(run.label, (x, y), xytext=(6, 4), textcoords="offset points", fontsize=8)
+        # labels alternately above and below, so that neighbouring points keep theirs apart
+        axes.annotate(run.label, (x, y), xytext=(6, 5 if index % 2 == 0 else -13),
+                      textcoords="offset points", fontsize=8)
     axes.set_xlabel(time_label(list(runs)))
     axes.set_ylabel("final training loss (mean of the last updates)")
     axes.set_title(f"The trade-off: final loss against run time\n{setting(list(runs))}",
