@@ -57,7 +57,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ``final_loss`` (training loss of the last update), ``val_acc``/``val_loss`` and
     ``test_acc``/``test_loss`` where run and logged, ``log_dir`` (None without a logger).
     A race's: ``contestants`` (one such summary each, plus its ``name``), ``wall_time_s``, and on
-    global rank 0 ``figure``, ``table`` (the Markdown file), ``target_loss`` and ``rows``.
+    global rank 0 ``figure``, ``tradeoff`` (final loss against run time), ``table`` (the Markdown
+    file), ``target_loss`` and ``rows``.
     """
     started = time.monotonic()
     validate_config(cfg)  # before any data is loaded or any process started
@@ -96,9 +97,11 @@ def run_race(cfg: DictConfig, started: float | None = None) -> dict[str, Any]:
             run_dirs, cfg.output_dir, labels=[contestant.label for contestant, _ in entries],
             target_loss=cfg.race.get("target_loss"), window=int(cfg.race.get("window", 20)),
             extras=[_table_extras(summary) for summary in summaries])
-        result.update(figure=str(report.figure), table=str(report.markdown),
+        result.update(figure=str(report.figure), tradeoff=str(report.tradeoff),
+                      table=str(report.markdown),
                       target_loss=report.target_loss, rows=report.rows)
-        print(f"\n{report.text}\nfigure: {report.figure}\ntable: {report.markdown} "
+        print(f"\n{report.text}\nfigure: {report.figure} (trade-off: {report.tradeoff.name})"
+              f"\ntable: {report.markdown} "
               f"(and {report.csv.name}); each contestant's logs: "
               f"{Path(cfg.output_dir) / CONTESTANTS_DIR}", flush=True)
     result["wall_time_s"] = time.monotonic() - started

@@ -1,4 +1,5 @@
-"""The report of a race: training loss against wall-clock time per contestant, and a table.
+"""The report of a race: training loss against wall-clock time per contestant, a table, and
+the trade-off of final loss against run time with one point per contestant.
 
 A race (the default run of ``python -m lightning_stale.train``, see ``conf/race/default.yaml``)
 fits several variants one after the other on the same data, model, learners and stragglers, to
@@ -15,7 +16,10 @@ Definitions (as in ``benchmarks/straggler_win.py``):
   the target;
 * final loss: the mean training loss of the last ``window`` updates;
 * mean staleness: the mean over updates of ``staleness/mean`` (updates between the version a
-  gradient was computed at and the update that applied it; 0 for the sync family and ddp).
+  gradient was computed at and the update that applied it; 0 for the sync family and ddp);
+* train time: the training seconds of the last update, the x of the trade-off figure, whose y is
+  the final loss: the error-runtime trade-off of Dutta et al. (AISTATS 2018, Figure 1), one
+  point per (variant, K, H).
 """
 
 from __future__ import annotations
@@ -30,10 +34,18 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from lightning_stale.analysis.plot import markdown_table, plot_loss, setting, write_table
+from lightning_stale.analysis.plot import (
+    MARKERS,
+    markdown_table,
+    plot_loss,
+    run_color,
+    setting,
+    time_label,
+    write_table,
+)
 from lightning_stale.analysis.runs import Run, load_run, trailing_mean
 
-FIGURE_NAME, TABLE_NAME = "race.png", "race"
+FIGURE_NAME, TRADEOFF_NAME, TABLE_NAME = "race.png", "race_tradeoff.png", "race"
 
 
 @dataclass
@@ -43,6 +55,7 @@ class RaceReport:
     rows: list[dict[str, Any]]
     target_loss: float
     figure: Path
+    tradeoff: Path
     csv: Path
     markdown: Path
     text: str
@@ -107,6 +120,7 @@ def race_rows(runs: Sequence[Run], target: float, window: int,
               extras: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
     """One row per contestant, in race order; ``extras[i]`` adds columns to row i."""
     models = {delay_model_text(run.config.get("delay")) for run in runs}
+    local = any(run.local_steps != 1 for run in runs)  # else no H column: one push per step
     time_key = f"time to loss {target:.3g} (s)"
     rows: list[dict[str, Any]] = []
     for index, run in enumerate(runs):
@@ -116,7 +130,8 @@ def race_rows(runs: Sequence[Run], target: float, window: int,
             injected = f"{delay_model_text(run.config.get('delay'))}, {injected}"
         row: dict[str, Any] = {
             "contestant": run.label, "engine": run.engine, "delay injected": injected,
-            "K of P": f"{run.k} of {run.p}", "updates": len(run.losses),
+            "K of P": f"{run.k} of {run.p}", **({"H": run.local_steps} if local else {}),
+            "updates": len(run.losses),
             time_key: seconds, "update at target": update if update is not None else "",
             "speed-up over row 1": math.nan, "mean staleness": mean_staleness(run),
             "final loss": final_loss(run.losses, window),
@@ -142,6 +157,8 @@ def plot_race(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], target: fl
     for run, row, line in zip(runs, rows, curves):
         if run.engine == "ddp":
             line.set_linestyle("--")
+        elif run.local_steps != 1:  # apart from the same variant pushing every step
+            line.set_linestyle("-.")
         if math.isfinite(row[time_key]):
             axes.plot([row[time_key]], [target], marker="o", ms=6, color=line.get_color(),
                       markeredgecolor="black", ls="none", zorder=3, label=arrival)
@@ -152,11 +169,34 @@ def plot_race(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], target: fl
     return figure
 
 
+def plot_tradeoff(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Final loss against train time, one labelled point per contestant, in its curve's colour
+    and marker: the contestants' places on the error-runtime trade-off."""
+    figure = Figure(figsize=(7.0, 4.5), dpi=110, layout="constrained")
+    axes = figure.add_subplot()
+    for index, (run, row) in enumerate(zip(runs, rows)):
+        x, y = row["train time (s)"], row["final loss"]
+        if not (math.isfinite(x) and math.isfinite(y)):
+            continue
+        axes.plot([x], [y], ls="none", marker=MARKERS.get(run.variant, "o"), ms=8,
+                  color=run_color(run), markeredgecolor="black", label=run.label)
+        # labels alternately above and below, so that neighbouring points keep theirs apart
+        axes.annotate(run.label, (x, y), xytext=(6, 5 if index % 2 == 0 else -13),
+                      textcoords="offset points", fontsize=8)
+    axes.set_xlabel(time_label(list(runs)))
+    axes.set_ylabel("final training loss (mean of the last updates)")
+    axes.set_title(f"The trade-off: final loss against run time\n{setting(list(runs))}",
+                   fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.margins(x=0.25, y=0.15)  # room for the labels
+    return figure
+
+
 def write_race_report(run_dirs: Sequence[str | Path], out_dir: str | Path,
                       labels: Sequence[str | None] = (), target_loss: float | None = None,
                       window: int = 20, extras: Sequence[Mapping[str, Any]] = ()) -> RaceReport:
     """Read the contestants' run directories (in race order) and write ``race.png``,
-    ``race.csv`` and ``race.md`` into ``out_dir``. ``labels[i]`` replaces run i's default label;
+    ``race_tradeoff.png``, ``race.csv`` and ``race.md`` into ``out_dir``. ``labels[i]`` replaces run i's default label;
     ``target_loss`` None takes the highest final loss among the contestants."""
     runs = [load_run(path) for path in run_dirs]
     if not runs:
@@ -178,11 +218,14 @@ def write_race_report(run_dirs: Sequence[str | Path], out_dir: str | Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     figure_path = out_dir / FIGURE_NAME
     plot_race(runs, rows, float(target_loss), window).savefig(figure_path)
+    tradeoff_path = out_dir / TRADEOFF_NAME
+    plot_tradeoff(runs, rows).savefig(tradeoff_path)
     csv_path, markdown_path = out_dir / f"{TABLE_NAME}.csv", out_dir / f"{TABLE_NAME}.md"
     write_table(rows, csv_path)
     text = _race_text(runs, rows, float(target_loss), window)
-    markdown_path.write_text(f"# The race\n\n{text}\nFigure: {FIGURE_NAME}\n")
-    return RaceReport(rows, float(target_loss), figure_path, csv_path, markdown_path, text)
+    markdown_path.write_text(f"# The race\n\n{text}\nFigures: {FIGURE_NAME}, {TRADEOFF_NAME}\n")
+    return RaceReport(rows, float(target_loss), figure_path, tradeoff_path, csv_path,
+                      markdown_path, text)
 
 
 def _race_text(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], target: float,

@@ -66,6 +66,11 @@ class Run:
         return str(self.config.engine.get("name", "?"))
 
     @property
+    def local_steps(self) -> int:
+        """H, the inner steps per push (1: a push per mini-batch; docs/how-to/local-updates.md)."""
+        return int(self.config.variant.get("local_steps") or 1)
+
+    @property
     def simulated(self) -> bool:
         return self.engine == "simulated"
 
@@ -107,6 +112,8 @@ class Run:
             equivalent = Variant.create(self.variant, self.p, self.k).equivalent()
             if equivalent is not None:
                 text += f" (= {equivalent.lower()})"
+        if self.local_steps != 1:
+            text += f", H={self.local_steps}"
         compensation = self.config.engine.get("strategy", {}).get("staleness_compensation")
         if compensation:
             mode = compensation if isinstance(compensation, str) else compensation.get("mode", "")

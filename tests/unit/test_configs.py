@@ -50,6 +50,10 @@ def needed_overrides(group: str, option: str, data_root: Path) -> list[str]:
         overrides.append("data=convex")
     if group == "data" and option == "convex":
         overrides.append("model=least_squares")
+    if (group, option) == ("model", "gpt"):  # a language model needs tokens
+        overrides.append("data=python_docs")
+    if (group, option) == ("data", "python_docs"):
+        overrides.append("model=gpt")
     if group == "data" and option in ("mnist", "cifar10"):
         overrides += [f"data.data_dir={data_root}", "data.batch_size=4"]  # 20 images a split
     if group == "delay" and option == "trace":

@@ -146,8 +146,8 @@ def test_data_configs_instantiate(path, data_root, monkeypatch):
 
 @pytest.mark.parametrize("path", sorted((CONF / "model").glob("*.yaml")), ids=lambda p: p.stem)
 def test_model_configs_instantiate(path):
-    data = OmegaConf.load(CONF / "data" / ("convex.yaml" if path.stem == "least_squares"
-                                           else "digits.yaml"))
+    data_for = {"least_squares": "convex.yaml", "gpt": "python_docs.yaml"}
+    data = OmegaConf.load(CONF / "data" / data_for.get(path.stem, "digits.yaml"))
     cfg = OmegaConf.create({"data": data, "model": OmegaConf.load(path)})
     dm = instantiate(cfg.data)
     model = instantiate(cfg.model, input_shape=dm.input_shape, num_classes=dm.num_classes)
@@ -156,5 +156,7 @@ def test_model_configs_instantiate(path):
     assert out.shape[0] == len(x)
     if path.stem == "least_squares":
         assert model.hparams.l2 == dm.l2
+    elif path.stem == "gpt":  # next-token logits at every position
+        assert out.shape == (*x.shape, dm.num_classes)
     else:
         assert out.shape == (len(x), 10)

@@ -161,6 +161,36 @@ def test_report_on_known_logs(tmp_path):
                                                          "Fully sync (K=4) #2"]
 
 
+def test_tradeoff_has_one_labelled_point_per_contestant(tmp_path):
+    from lightning_stale.analysis.race import plot_tradeoff
+
+    local = ["engine=simulated", "variant.local_steps=8"]
+    dirs = [fake_contestant(tmp_path / "1-sync", ["engine=simulated"], LOSSES, 0.10),
+            fake_contestant(tmp_path / "2-diloco", local, LOSSES + 0.5, 0.06),
+            fake_contestant(tmp_path / "3-k_batch_async",
+                            [*local, "variant=k_batch_async", "variant.k=2"], LOSSES + 1.0, 0.02)]
+    report = write_race_report(dirs, tmp_path, target_loss=2.0, window=5)
+    assert report.tradeoff == tmp_path / "race_tradeoff.png"
+    assert report.tradeoff.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "race_tradeoff.png" in report.markdown.read_text()
+    rows = report.rows
+    assert [row["contestant"] for row in rows] == [
+        "Fully sync (K=4)", "Fully sync (K=4), H=8", "K-batch-async, K=2, H=8"]
+    assert [row["H"] for row in rows] == [1, 8, 8]
+    runs = [load_run(path) for path in dirs]
+    axes = plot_tradeoff(runs, rows).axes[0]
+    points = [tuple(line.get_xydata()[0]) for line in axes.get_lines()]
+    expected = [(40 * seconds, float(np.mean(LOSSES[-5:])) + shift)
+                for seconds, shift in ((0.10, 0.0), (0.06, 0.5), (0.02, 1.0))]
+    assert points == [pytest.approx(point) for point in expected]
+    assert [text.get_text() for text in axes.texts] == [row["contestant"] for row in rows]
+    assert axes.get_xlabel() == "training time (simulated seconds)"
+    assert axes.get_ylabel().startswith("final training loss")
+    # without local updates the table keeps its columns
+    plain = write_race_report(dirs[:1], tmp_path / "plain", target_loss=2.0, window=5)
+    assert "H" not in plain.rows[0] and plain.tradeoff.is_file()
+
+
 def test_figure_labels_lines_and_title(tmp_path):
     from lightning_stale.analysis.race import plot_race
 

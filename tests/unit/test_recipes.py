@@ -20,7 +20,8 @@ from lightning_stale.config import compose_config, learner_count, process_count
 
 RECIPES = Path(str(files("lightning_stale.recipes")))
 RECIPE_NAMES = sorted(path.stem for path in RECIPES.glob("*.yaml"))
-SINGLE_LAUNCHES = {"digits_k_async", "race_ddp"}  # one run, or one race, of real processes
+# one run, or one race (of real processes, or of the simulated engine's one)
+SINGLE_LAUNCHES = {"digits_k_async", "race_ddp", "local_updates_lm"}
 SWEEPS = [name for name in RECIPE_NAMES if name not in SINGLE_LAUNCHES]
 NEEDS_FILES = {"mnist_lenet", "cifar10_resnet"}
 
