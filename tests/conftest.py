@@ -25,10 +25,12 @@ def in_a_scratch_folder(tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """One intra-op thread for the module's tests: on tiny models threads only add
-    synchronisation (and stall on a busy machine). Use with ``pytestmark``."""
+@pytest.fixture(scope="session", autouse=True)
+def one_intra_op_thread():
+    """One intra-op thread for every test: the models here are tiny, so a second thread only
+    adds synchronisation, and on a busy machine its spinning workers stall each step many times
+    over (a small GPT's step: 0.5 s with two threads on two busy cores, 0.03 s with one). The
+    engine's own threads (learners, servers, thread ranks) are what runs in parallel."""
     import torch
 
     threads = torch.get_num_threads()

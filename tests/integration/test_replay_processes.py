@@ -50,14 +50,6 @@ def recorded(tmp_path_factory):
     return run_script("replay.py", tmp_path_factory.mktemp("recorded"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def replay(path, tmp_path, module=build_module, **options):
     strategy = SimulatedStaleStrategy(replay=path, **options)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, default_root_dir=str(tmp_path),

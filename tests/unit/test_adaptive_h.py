@@ -19,7 +19,7 @@ from lightning_stale.method.rules import ServerRules
 from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import VirtualCluster
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 # ---------------------------------------------------------------- the decision object

@@ -32,7 +32,6 @@ logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 P, MEAN = 5, 0.1
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ShortEpochs(BoringModel):

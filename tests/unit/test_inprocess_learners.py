@@ -2,13 +2,11 @@
 what docs/method.md says about staleness, cancellation, averaging across learners and BatchNorm
 buffers, checked against the pushes as the server received them."""
 
-import pytest
 import torch
 
 import user_modules as um
 from inprocess import InProcessRun, blob_batches, isclose
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def check_update_rule(run: InProcessRun, lr: float, weighted: bool = False) -> None:

@@ -33,7 +33,7 @@ from lightning_stale.method.theory import closed_form_iteration_time, harmonic
 from lightning_stale.method.variants import Variant
 from lightning_stale.strategies.local_updates import outer_optimizer_factory, plain_averaging
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 DILOCO = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
 

@@ -19,7 +19,6 @@ from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.strategies import stale as stale_module
 from lightning_stale.strategies.sampling import IndependentBatchSampler
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from engines import books_balance
 from lightning_stale import WallClockLogger
 from lightning_stale.engine.core import ServerCore
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 

@@ -17,7 +17,6 @@ from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.replay import FORMAT_VERSION, EventLogError, read_events
 from user_modules import BlobData, WarmupAdamW
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 # K-sync (drops and cancellations) in the quick loop, the other five variants with the slow tests.
 VARIANTS = [pytest.param(name, k, marks=[] if name == "k_sync" else [pytest.mark.slow])

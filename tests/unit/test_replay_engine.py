@@ -15,7 +15,6 @@ from lightning_stale.replay import EventLogError, read_events
 from lightning_stale.replay.real import LogBatchSampler, learner_part, merge_parts, server_part
 from user_modules import BlobData, WarmupAdamW
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class DropoutBatchNorm(WarmupAdamW):

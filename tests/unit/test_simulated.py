@@ -30,7 +30,6 @@ QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False
              enable_model_summary=False, num_sanity_val_steps=0, devices=1)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fit(model, max_steps, datamodule=None, callbacks=(), trainer_kwargs=None, **strategy_kwargs):

@@ -17,7 +17,7 @@ from pytorch_lightning import Callback
 import user_modules as um
 from engines import fit
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 OPTIMIZERS = sorted(
     n

@@ -20,7 +20,7 @@ from pytorch_lightning.loggers import CSVLogger
 import user_modules as um
 from engines import QUIET, books_balance, fit, server_lr
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 
