@@ -69,12 +69,12 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.engine.core.xǁServerCoreǁpushes_fit_in_epoch__mutmut_7":
         "`per_epoch > 1`: with one push per epoch every push ends its epoch, so `done` is 0 and "
         "the answer False either way",
-    "lightning_stale.method.adaptive.xǁAdaptiveKǁobserve__mutmut_17":
+    "lightning_stale.method.adaptive.xǁ_LossByIntervalǁ_at_boundary__mutmut_17":
         "`assert initial_loss is not None or current_loss is not None`: both hold there (the "
         "initial loss is frozen just above, the running mean holds the loss appended above)",
-    "lightning_stale.method.adaptive.xǁAdaptiveKǁ_freeze_initial_loss__mutmut_4":
+    "lightning_stale.method.adaptive.xǁ_LossByIntervalǁ_freeze_initial_loss__mutmut_4":
         "`_first_losses = None` once frozen: it is read only while initial_loss is None, which it "
-        "is not again until reset() gives it a new list",
+        "is not again until _reset_estimate() gives it a new list",
     "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_10":
         "generations start at 1: a generation is only compared for equality with the learner's "
         "current one, so an offset common to all changes nothing",

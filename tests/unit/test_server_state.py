@@ -666,3 +666,21 @@ def test_pushes_of_a_half_precision_model_are_float32_without_a_float32_part():
     module.count.data = module.count.to(torch.float16)
     payload, _ = ModelVectors.of(module).push_vector()
     assert payload.dtype == torch.float32 and payload.tolist() == [6.0, 7.0, 8.0]
+
+
+def test_the_learning_rates_recorded_for_a_step_are_those_it_takes():
+    """`step_lrs`: without an outer optimizer, the learner optimizer's (where Lightning's
+    schedulers move them, copied into the server's copy only at its step); with one, its own."""
+    torch.manual_seed(0)
+    module = nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    state = ServerState(module, optimizer)
+    optimizer.param_groups[0]["lr"] = 0.25  # a scheduler's step, not copied yet
+    assert state.optimizer.param_groups[0]["lr"] == 1.0
+    assert state.step_lrs() == (0.25,)
+    before, gradient = flat(state), torch.ones(2)
+    state.apply([Contribution(gradient)])
+    assert torch.allclose(flat(state), before - 0.25 * gradient)  # the step took that rate
+
+    outer = ServerState(module, optimizer, outer=lambda params: torch.optim.SGD(params, lr=0.7))
+    assert outer.step_lrs() == (0.7,)  # the outer optimizer's, not the inner one's 0.25
