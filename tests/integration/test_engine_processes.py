@@ -1,8 +1,8 @@
 """StaleStrategy on real processes (CPU, gloo): what only a multi-process run can show.
 
-Each test launches one script from tests/integration/scripts/ (four processes, about 8 s of start-up
-each) and checks what global rank 0 wrote. The decision logic itself is tested in-process in
-tests/unit (test_rules.py, test_server_loop.py).
+Each test launches one script from tests/integration/scripts/ (four processes, about 8 s of
+start-up each; the two longest side by side) and checks what global rank 0 wrote. The decision
+logic itself is tested in-process in tests/unit (test_rules.py, test_server_loop.py).
 """
 
 import json
@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,22 @@ from processes import SCRIPTS, books_balance, clean_env, free_port, run_script
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory):
-    return run_script("variants.py", tmp_path_factory.mktemp("variants"))
+def side_by_side(request, tmp_path_factory):
+    """The module's two longest launches, variants.py and paths.py, run side by side: much of a
+    launch is start-up and waiting on other processes, and neither asserts a timing. Only those
+    whose tests are selected start; both are over before the first of their tests runs, so the
+    launches that check timings (a frozen learner, a dead one) run alone."""
+    wanted = [name for name in ("variants", "paths")
+              if any(item.module is request.module and name in item.fixturenames for item in request.session.items)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        launched = {name: pool.submit(run_script, f"{name}.py", tmp_path_factory.mktemp(name)) for name in wanted}
+        wait(launched.values())
+        yield launched  # each fixture raises its own launch's failure
+
+
+@pytest.fixture(scope="module")
+def variants(side_by_side):
+    return side_by_side["variants"].result()
 
 
 @pytest.mark.parametrize("name", ["sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"])
@@ -170,8 +185,8 @@ def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(tra
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    return run_script("paths.py", tmp_path_factory.mktemp("paths"))
+def paths(side_by_side):
+    return side_by_side["paths"].result()
 
 
 @pytest.mark.parametrize("run", ["sync@collective", "k_sync@collective", "k_batch_sync@collective",
