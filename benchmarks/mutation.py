@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -238,7 +239,8 @@ def summed(parts: list[dict]) -> dict:
 def scope_row(part: dict) -> dict:
     """One line of the table of scopes: the part's own figures, its commit and date."""
     figures = summed([part])
-    return {"scope": part["scope"], "patterns": part["patterns"], "commit": part["commit"],
+    return {"scope": part["scope"], "patterns": part["patterns"], "command": part.get("command", COMMAND),
+            "commit": part["commit"],
             "date": part["date"], "counts": part["counts"],
             "equivalent": part["equivalent"], "surviving": part["surviving"],
             **{k: figures[k] for k in ("mutants", "killed", "timeout", "survived", "not_checked",
@@ -273,8 +275,12 @@ def main() -> None:
         parser.error(f"--max-children must be at least 1, got {args.max_children}")
     scope = [] if args.scope == ["all"] else args.scope
     if not args.report_only:
-        mutmut("run", "--max-children", str(args.max_children), *scope, check=False)  # (its exit status says nothing about survivors)
-    part = {**scope_figures(scope), "commit": commit(),
+        # (mutmut's exit status says nothing about survivors)
+        mutmut("run", "--max-children", str(args.max_children), *scope, check=False)
+    # The command that gives these verdicts (--report-only reads what such a run left in ./mutants/)
+    command = " ".join([COMMAND, *(["--scope", *map(shlex.quote, args.scope)] if args.scope != SCOPE else []),
+                        *(["--max-children", str(args.max_children)] if args.max_children != 1 else [])])
+    part = {**scope_figures(scope), "commit": commit(), "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     # The file keeps every scope run: this run replaces the scopes whose mutants it covers
     # (a scope of patterns all within this one's), the others stay as they were.
@@ -288,7 +294,7 @@ def main() -> None:
     parts = kept + [part]
     result = {
         "benchmark": "mutation",
-        "command": COMMAND,
+        "command": part["command"],
         "commit": part["commit"],
         "date": part["date"],
         "kind": "cpu",
