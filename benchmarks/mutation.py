@@ -105,7 +105,7 @@ EQUIVALENT: dict[str, str] = {
        "the load's copy without `non_blocking`: it only makes a copy between a GPU and pinned "
        "host memory asynchronous; a GPU destination is read in stream order and a module's host "
        "tensors are not pinned, so every later read sees the same values"
-       for n in (11, 15)},
+       for n in (14, 18)},
     "lightning_stale.engine.state.xǁModelVectorsǁpush_vector__mutmut_14":
         "`to_dense()` of every gradient: for a dense gradient it returns the gradient itself",
     **{f"lightning_stale.engine.state.x_clone_optimizer__mutmut_{n}":

@@ -684,3 +684,15 @@ def test_the_learning_rates_recorded_for_a_step_are_those_it_takes():
 
     outer = ServerState(module, optimizer, outer=lambda params: torch.optim.SGD(params, lr=0.7))
     assert outer.step_lrs() == (0.7,)  # the outer optimizer's, not the inner one's 0.25
+
+
+def test_loading_the_buffers_part_leaves_the_parameters_alone():
+    """`ModelVectors.load_buffers` (the collective path's settled buffers) writes the buffers
+    only, rounding integer counters; the parameters keep their values."""
+    module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    vectors = ModelVectors.of(module)
+    params = [p.detach().clone() for p in module.parameters()]
+    vectors.load_buffers(torch.tensor([1.0, 2.0, 3.0, 4.0, 6.6]))  # mean (2), var (2), count
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), params))
+    assert module[1].running_mean.tolist() == [1.0, 2.0] and module[1].running_var.tolist() == [3.0, 4.0]
+    assert module[1].num_batches_tracked.item() == 7
