@@ -49,8 +49,9 @@ EQUIVALENT: dict[str, str] = {
         "is the current parameters either way, and a later snapshot of the version recomputes it",
     "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_37":
         "`state.snapshot(None)` at start: as _snapshot_current__mutmut_4 (a cache key only)",
-    "lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_33":
-        "_last_update_s starts as 1.0: it is read (stats) only once an update has set it",
+    **{f"lightning_stale.engine.core.xǁServerCoreǁ__init____mutmut_{n}":
+       f"_last_update_s starts as {start}: it is read (stats) only once an update has set it"
+       for n, start in ((32, "None"), (33, "1.0"))},
     "lightning_stale.engine.core.xǁServerCoreǁpush__mutmut_10":
         "`unusable` passed to ServerRules.on_push after the stop: on_push counts a push after "
         "the stop as in flight before it reads `unusable`",
