@@ -7,7 +7,7 @@ import pytest
 import torch
 from pytorch_lightning import Trainer
 
-from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.adaptive import AdaptiveH, AdaptiveK
 from lightning_stale.strategies.callbacks import WallClockLogger
 from lightning_stale.data import DigitsDataModule
 from lightning_stale.delays import Exponential
@@ -187,3 +187,17 @@ def test_max_k_may_equal_k0_and_k_never_falls_below_one():
     pinned = AdaptiveK(1, 1.0, max_k=1)  # K fixed at 1: allowed
     assert pinned.max_k == 1 and pinned.target_k(100.0, 1.0) == 1
     assert AdaptiveK(1, 1.0).target_k(1.0, 4.0) == 1  # the loss grew: ceil(sqrt(1/4)) = 1
+
+
+def test_adaptive_h_is_made_from_every_form_it_accepts_with_local_steps_as_h0():
+    given = AdaptiveH(8, 2.0)
+    assert AdaptiveH.create(given, h0=8) is given and AdaptiveH.create(None, h0=8) is None
+    number = AdaptiveH.create(3, h0=8)
+    assert (number.h0, number.interval_s, number.h) == (8, 3.0, 8)
+    mapping = AdaptiveH.create({"interval_s": 1.5, "window": 4}, h0=6)
+    assert (mapping.h0, mapping.interval_s, mapping.window) == (6, 1.5, 4)
+    with pytest.raises(ValueError, match="local_steps=8 disagrees with adaptive_h's h0=4"):
+        AdaptiveH.create(AdaptiveH(4, 2.0), h0=8)
+    for bad in ("2", True, [2.0]):
+        with pytest.raises(ValueError, match="adaptive_h must be None, an AdaptiveH"):
+            AdaptiveH.create(bad, h0=8)

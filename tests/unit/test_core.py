@@ -201,6 +201,8 @@ def test_a_death_is_not_one_of_the_epochs_pushes():
 
 def test_a_dropped_push_is_not_held_and_only_a_keeping_core_keeps_old_parameters():
     core = ServerCore(Variant.create("k_sync", 2, 2), make_state())
+    with pytest.raises(KeyError):  # not even the starting parameters
+        core.parameters_at(0)
     core.push(0, 0, 1.0, contribution=g(1.0, 1.0))
     core.push(1, 0, 2.0, contribution=g(1.0, 1.0))  # update 1: both learners refreshed to w_1
     late = g(5.0, 5.0)

@@ -696,3 +696,30 @@ def test_loading_the_buffers_part_leaves_the_parameters_alone():
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), params))
     assert module[1].running_mean.tolist() == [1.0, 2.0] and module[1].running_var.tolist() == [3.0, 4.0]
     assert module[1].num_batches_tracked.item() == 7
+
+
+class StepSchedule:
+    """A Lightning scheduler config stepped every optimizer step."""
+
+    interval, frequency, reduce_on_plateau, monitor, strict = "step", 1, False, None, True
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+
+def test_with_an_outer_optimizer_the_inner_schedules_step_h_times_per_update():
+    """Local updates: the outer optimizer steps the server's parameters with its own options,
+    while the inner optimizer's step schedulers advance once per inner step, H per update (one
+    where H is not given)."""
+    for steps_per_update, expected in ((None, 0.5), (3, 0.125)):
+        torch.manual_seed(0)
+        module = nn.Linear(2, 1, bias=False)
+        inner = torch.optim.SGD(module.parameters(), lr=1.0)
+        schedule = StepSchedule(torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5))
+        h = {} if steps_per_update is None else {"steps_per_update": steps_per_update}
+        state = ServerState(module, inner, [schedule], outer=lambda params: torch.optim.SGD(params, lr=2.0), **h)
+        before = flat(state)
+        state.apply([Contribution(torch.ones(2))], update_index=1)
+        assert inner.param_groups[0]["lr"] == expected
+        assert state.optimizer.param_groups[0]["lr"] == 2.0  # the outer optimizer's own
+        assert torch.allclose(flat(state), before - 2.0)  # the pseudo-gradient stepped at its lr
