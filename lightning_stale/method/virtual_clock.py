@@ -58,6 +58,11 @@ class VirtualCluster:
         for learner in range(rules.p):
             self._start(learner)
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "_steps_of" not in state:  # pickled before adaptive H: every push has the cluster's H
+            self._steps_of = [self.local_steps] * self.rules.p
+
     def _start(self, learner: int) -> None:
         # A new generation invalidates whatever the learner was computing before (cancellation).
         self._generation[learner] += 1
@@ -74,9 +79,8 @@ class VirtualCluster:
             time, _, learner, generation, started = heapq.heappop(self._heap)
             if generation == self._generation[learner]:
                 self.now = time
-                steps = getattr(self, "_steps_of", None)  # (clusters pickled before adaptive H)
                 return Finish(time, learner, self.rules.learner_version(learner), started,
-                              self.local_steps if steps is None else steps[learner])
+                              self._steps_of[learner])
         raise RuntimeError("no learner is computing: every learner waits, which the rules never allow")
 
     def apply(self, decision: Decision) -> None:

@@ -2,6 +2,7 @@
 
 import logging
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -199,6 +200,24 @@ def test_clock_is_the_virtual_cluster_of_the_rules():
         if cluster.step().update is not None:
             times.append(cluster.now)
     assert [row["time/train_s"] for row in logger.rows] == times
+
+
+def test_a_cluster_pickled_before_per_learner_h_goes_on_with_its_h():
+    """A simulation saved before each learner kept the H of its push in progress (a checkpoint
+    of an earlier version) resumes as one saved now: every push in progress takes the cluster's H."""
+    cluster = VirtualCluster(ServerRules(Variant.create("k_async", 3, 2)), Exponential(1.0, seed=5), local_steps=3)
+    state = pickle.loads(pickle.dumps(cluster)).__dict__
+    del state["_steps_of"]
+    old = VirtualCluster.__new__(VirtualCluster)
+    old.__setstate__(state)  # what unpickling such a checkpoint does
+    runs = []
+    for run in (old, pickle.loads(pickle.dumps(cluster))):
+        finishes = []
+        for _ in range(30):
+            finishes.append(run.next_finish())
+            run.apply(run.rules.on_push(finishes[-1].learner, finishes[-1].version))
+        runs.append(finishes)
+    assert runs[0] == runs[1] and {finish.local_steps for finish in runs[0]} == {3}
 
 
 # The mean time per update of every variant against theory, over thousands of updates, is
