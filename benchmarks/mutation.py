@@ -77,17 +77,17 @@ EQUIVALENT: dict[str, str] = {
     "lightning_stale.method.adaptive.xǁ_LossByIntervalǁ_freeze_initial_loss__mutmut_4":
         "`_first_losses = None` once frozen: it is read only while initial_loss is None, which it "
         "is not again until _reset_estimate() gives it a new list",
-    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_10":
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_12":
         "generations start at 1: a generation is only compared for equality with the learner's "
         "current one, so an offset common to all changes nothing",
-    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_12":
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ__init____mutmut_16":
         "the sequence numbers start at 1: they only break ties in the heap by their order",
     "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_2":
         "generations counted down: each start still makes a generation unlike every earlier one, "
         "and only equality with the current one is checked",
     "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_3":
         "generations counted in steps of 2: as _start__mutmut_2, every start still makes a new one",
-    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_14":
+    "lightning_stale.method.virtual_clock.xǁVirtualClusterǁ_start__mutmut_22":
         "sequence numbers in steps of 2: their order, the only thing the heap reads, is the same",
     **{f"lightning_stale.engine.state.xǁModelVectorsǁload_parts__mutmut_{n}":
        "the part of an empty tensor taken as an empty slice of the chunk or an empty tensor of "

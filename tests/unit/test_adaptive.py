@@ -201,3 +201,13 @@ def test_adaptive_h_is_made_from_every_form_it_accepts_with_local_steps_as_h0():
     for bad in ("2", True, [2.0]):
         with pytest.raises(ValueError, match="adaptive_h must be None, an AdaptiveH"):
             AdaptiveH.create(bad, h0=8)
+
+
+def test_adaptive_h_names_its_bad_arguments_and_keeps_h_where_the_ratio_is_undefined():
+    with pytest.raises(ValueError, match=r"AdaptiveH h0 \(local_steps\) must be an integer >= 1, got 0"):
+        AdaptiveH(0, 1.0)
+    with pytest.raises(ValueError, match=r"AdaptiveH window must be an integer >= 1, got 0"):
+        AdaptiveH(4, 1.0, window=0)
+    schedule = AdaptiveH(8, 1.0)
+    assert schedule.target_h(0.0, 0.0) == 1  # the loss is 0: average at every step
+    assert schedule.target_h(0.0, 1.0) == 8  # no ratio to a start of 0: H stays as it is

@@ -220,6 +220,17 @@ def test_a_cluster_pickled_before_per_learner_h_goes_on_with_its_h():
     assert runs[0] == runs[1] and {finish.local_steps for finish in runs[0]} == {3}
 
 
+def test_a_pickled_cluster_keeps_the_h_each_push_in_progress_started_with():
+    """After H changed (adaptive H), learners inside a round keep the H they started with, in a
+    copy of the cluster too (a checkpoint taken then)."""
+    cluster = VirtualCluster(ServerRules(Variant.create("async", 3)), Exponential(1.0, seed=5), local_steps=3)
+    cluster.local_steps = 2  # learners started from now on take 2
+    cluster.step()  # the pusher restarts with H = 2, the other two are inside rounds of 3
+    copy = pickle.loads(pickle.dumps(cluster))
+    finishes = [[run.next_finish() for _ in range(3)] for run in (cluster, copy)]  # one per learner
+    assert finishes[0] == finishes[1] and sorted(f.local_steps for f in finishes[0]) == [2, 3, 3]
+
+
 # The mean time per update of every variant against theory, over thousands of updates, is
 # checked with epochs ending within rounds in tests/unit/test_epoch_boundaries.py (a stricter
 # setting than here); the exact check above ties the clock to the event simulation, which
