@@ -30,13 +30,27 @@ def one_intra_op_thread():
     """One intra-op thread for every test: the models here are tiny, so a second thread only
     adds synchronisation, and on a busy machine its spinning workers stall each step many times
     over (a small GPT's step: 0.5 s with two threads on two busy cores, 0.03 s with one). The
-    engine's own threads (learners, servers, thread ranks) are what runs in parallel."""
+    engine's own threads (learners, servers, thread ranks) are what runs in parallel.
+
+    OMP_NUM_THREADS says so to Lightning too, whose launcher would otherwise set a process's
+    count to its cores / processes in every in-process DDP-style run (and the processes the
+    tests launch, which set one thread themselves, inherit it). A test that leaves another count
+    behind fails (`leaves_nothing_behind`)."""
+    import os
+
     import torch
 
-    threads = torch.get_num_threads()
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    isolation.THREADS["count"] = 1
     yield
+    isolation.THREADS["count"] = None
     torch.set_num_threads(threads)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
 
 
 @pytest.fixture(autouse=True)

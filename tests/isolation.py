@@ -1,6 +1,7 @@
 """What a test may not leave behind for the next one (checked by tests/conftest.py's
-``leaves_nothing_behind`` at every test's teardown): a torch.distributed default group, or the
-engine's threads (all named ``stale-*``) still running."""
+``leaves_nothing_behind`` at every test's teardown): a torch.distributed default group, the
+engine's threads (all named ``stale-*``) still running, or another intra-op thread count than the
+session's (a replay or a timing after it would compute otherwise)."""
 
 import threading
 import time
@@ -9,6 +10,8 @@ import time
 MODULE_GROUP = {"owned": False}
 # Threads that outlived an earlier test, reported there, so that only new leaks fail a test.
 REPORTED_THREADS: set = set()
+# The session's intra-op thread count (tests/conftest.py's `one_intra_op_thread`); None: not set.
+THREADS = {"count": None}
 # How long a test's ``stale-*`` threads may take to end after it returns (told to stop at the end
 # of a fit, they leave at their next message or timeout tick).
 THREAD_GRACE_S = 5.0
@@ -17,9 +20,14 @@ THREAD_GRACE_S = 5.0
 def left_behind(grace_s: float | None = None) -> list[str]:
     """What the test that just ended left behind, described; a default group is destroyed
     (the threads cannot be ended from outside: they are daemons and are reported once)."""
+    import torch
     import torch.distributed as dist
 
     problems = []
+    if THREADS["count"] is not None and torch.get_num_threads() != THREADS["count"]:
+        problems.append(f"the intra-op thread count is {torch.get_num_threads()}, not the session's "
+                        f"{THREADS['count']}")
+        torch.set_num_threads(THREADS["count"])
     if dist.is_available() and dist.is_initialized() and not MODULE_GROUP["owned"]:
         problems.append("a torch.distributed default group is still initialised")
         dist.destroy_process_group()

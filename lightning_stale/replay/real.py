@@ -23,6 +23,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from lightning_stale.engine.state import ModelVectors
 from lightning_stale.replay.events import (
     EventLogError,
@@ -67,6 +69,9 @@ def start_server_recording(strategy: Any, module: Any, path: Path, server_path: 
                     "limit_train_batches": limit_train_batches,
                     "accumulate_grad_batches": trainer.accumulate_grad_batches},
         "pushes_per_epoch": pushes_per_epoch,
+        # (Lightning's launcher gives every process of a node the same count: rank 0's stands
+        # for the learners', which compute on their main threads)
+        "intra_op_threads": torch.get_num_threads(),
         "sampler": {"kind": "IndependentBatchSampler per learner",
                     "indices": "each push's micro-batches' dataset indices, from its learner's log"},
     }

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_stale.replay.events import (
     EVENTS_FILE_NAME,
     EventLog,
@@ -65,12 +67,27 @@ def start_recording(strategy: Any, module: Any, path: Path) -> EventRecorder:
         "staleness_compensation": None if strategy.staleness_compensation is None
         else repr(strategy.staleness_compensation),
         "parameters": module_layout(module), "optimizer": type(strategy.optimizers[0]).__qualname__,
-        "trainer": trainer_limits(trainer),
+        "trainer": trainer_limits(trainer), "intra_op_threads": torch.get_num_threads(),
         "sampler": {"kind": "RandomSampler(replacement=True) per training loader",
                     "generator_seed": strategy.seed + strategy._loaders_made - 1,
                     "draw": "index of the push's first batch among the fit's training batches"},
     }
     return EventRecorder(EventWriter(path), header, strategy.digest_every)
+
+
+def use_recorded_threads(header: dict, undo: list) -> None:
+    """Compute the replay with the intra-op thread count the recorded run computed with (the
+    header's ``intra_op_threads``; logs without it are replayed as they are), and append to
+    ``undo`` what restores this process's count.
+
+    A CPU matrix multiply splits its sums by thread, so another count sums float32 products in
+    another order; through BatchNorm and AdamW, whose first steps divide a gradient by its own
+    size, those last-bit differences grow to different parameters within a few updates."""
+    recorded = header.get("intra_op_threads")
+    current = torch.get_num_threads()
+    if isinstance(recorded, int) and recorded >= 1 and recorded != current:
+        torch.set_num_threads(recorded)
+        undo.append(lambda: torch.set_num_threads(current))
 
 
 def replay_log(path: Any, variant: Any, k: Any, num_learners: Any, adaptive_k: Any,

@@ -36,7 +36,7 @@ from lightning_stale.method.variants import Variant
 from lightning_stale.method.virtual_clock import Finish
 from lightning_stale.replay.real import LogBatchSampler
 from lightning_stale.replay.replayer import ReplayServer
-from lightning_stale.replay.setup import DIGEST_EVERY, replay_log
+from lightning_stale.replay.setup import DIGEST_EVERY, replay_log, use_recorded_threads
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.event_log import EventLogMixin
 from lightning_stale.strategies.lightning_api import set_global_step, set_root_device, with_sampler
@@ -204,6 +204,8 @@ class SimulatedStaleStrategy(LocalUpdatesMixin, EventLogMixin, ServerStrategyMix
             # The log's epochs are the replay's: Lightning must not cut them.
             self._limit_train_batches = trainer.limit_train_batches
             self.patch(trainer, "limit_train_batches", 1.0)
+        if self._replay_log is not None:
+            use_recorded_threads(self._replay_log.header, self._undo)
         trainer.fit_loop.setup_data()  # before configure_optimizers: estimated_stepping_batches
         pushes = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches / self.local_steps)
         with self.counting_updates(trainer, pushes):

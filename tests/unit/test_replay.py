@@ -85,6 +85,31 @@ def test_every_variant_replays_bit_for_bit(tmp_path, variant, k):
         assert torch.equal(a, b)
 
 
+def test_a_replay_computes_with_the_recorded_thread_count(tmp_path):
+    """A CPU matrix multiply splits its sums by thread: the replay takes the recorded run's
+    intra-op thread count for the fit (a log recorded on one thread, replayed from a process of
+    two, agrees bit for bit), and gives the process its own count back afterwards."""
+    path, recorded = _record(tmp_path, "k_async", 2)
+    assert read_events(path).header["intra_op_threads"] == torch.get_num_threads() == 1
+    seen = []
+
+    class Threads(pl.Callback):
+        def on_train_batch_start(self, *args):
+            seen.append(torch.get_num_threads())
+
+    torch.set_num_threads(2)
+    try:
+        strategy = SimulatedStaleStrategy(replay=path)
+        _fit(strategy, tmp_path / "replay", callbacks=[Threads()])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    assert seen and set(seen) == {1}
+    report = strategy.replay_report
+    assert report["identical"] and report["checked_updates"] == recorded.strategy.stats["updates"], \
+        report["differences"][:3]
+
+
 def test_the_default_digests_every_100th_update_and_the_stop(tmp_path):
     from lightning_stale.replay.setup import DIGEST_EVERY
 
