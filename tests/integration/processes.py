@@ -28,6 +28,22 @@ def run_script(name, tmp_path, timeout=420, **env):
     return json.loads(out.read_text())
 
 
+RACE_UPDATES = 30
+RACE_COMMAND = [sys.executable, "-m", "lightning_stale.train", f"trainer.max_steps={RACE_UPDATES}",
+                "delay.mean=0.01", "race.window=5", "race.target_loss=null",
+                "race.contestants=[sync,k_sync:2,k_async:2,sync@ddp]"]
+
+
+def run_race(tmp_path):
+    """`python -m lightning_stale.train` from outside the checkout: the default race with fewer
+    updates, smaller delays and a ddp contestant added. Returns the finished process and its
+    Hydra run folder."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(RACE_COMMAND + [f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=420, stdin=subprocess.DEVNULL)
+    return result, run_dir
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,14 +5,18 @@ figure and the table; ranks 1..3 re-run the command in the parent's run folder."
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
-from processes import clean_env
+import pytest
 
-UPDATES = 30
+from processes import RACE_UPDATES
+
 CONTESTANTS = ["1-sync", "2-k_sync-K2", "3-k_async-K2", "4-sync-ddp"]
+
+
+@pytest.fixture(scope="module")
+def race(launched):
+    return launched("race")  # processes.run_race
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -20,16 +24,10 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def test_default_race_from_the_command_line(tmp_path):
+def test_default_race_from_the_command_line(race):
     """`python -m lightning_stale.train` from outside the checkout: the default race with
     fewer updates, smaller delays and a ddp contestant added."""
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "lightning_stale.train", f"trainer.max_steps={UPDATES}",
-               "delay.mean=0.01", "race.window=5", "race.target_loss=null",
-               "race.contestants=[sync,k_sync:2,k_async:2,sync@ddp]",
-               f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, cwd=tmp_path, env=clean_env(), capture_output=True,
-                            text=True, timeout=420, stdin=subprocess.DEVNULL)
+    result, run_dir = race
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     # The children ran in the parent's Hydra run folder, and only rank 0 reported.
@@ -38,7 +36,7 @@ def test_default_race_from_the_command_line(tmp_path):
 
     for name in CONTESTANTS:
         rows = read_rows(run_dir / "contestants" / name / "csv" / "version_0" / "wallclock.csv")
-        assert [int(row["update"]) for row in rows] == list(range(1, UPDATES + 1)), name
+        assert [int(row["update"]) for row in rows] == list(range(1, RACE_UPDATES + 1)), name
         times = [float(row["time/train_s"]) for row in rows]
         assert times == sorted(times) and times[0] > 0
     assert (run_dir / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -49,7 +47,7 @@ def test_default_race_from_the_command_line(tmp_path):
         "Fully sync (K=4), ddp"]
     assert [row["engine"] for row in table] == ["server", "server", "server", "ddp"]
     assert table[3]["delay injected"].startswith("slept after backward by every rank")
-    assert all(int(row["updates"]) == UPDATES for row in table)
+    assert all(int(row["updates"]) == RACE_UPDATES for row in table)
     time_key = next(key for key in table[0] if key.startswith("time to loss"))
     # target null: every contestant reaches the highest final loss, at the latest at its end
     assert all(0 < float(row[time_key]) <= float(row["train time (s)"]) for row in table)

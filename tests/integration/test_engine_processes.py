@@ -1,7 +1,8 @@
 """StaleStrategy on real processes (CPU, gloo): what only a multi-process run can show.
 
 Each test launches one script from tests/integration/scripts/ (four processes, about 8 s of
-start-up each; the two longest side by side) and checks what global rank 0 wrote. The decision
+start-up each; those whose tests assert no timing two at a time, tests/integration/conftest.py)
+and checks what global rank 0 wrote. The decision
 logic itself is tested in-process in tests/unit (test_rules.py, test_server_loop.py).
 """
 
@@ -10,31 +11,16 @@ import re
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
 
-from processes import SCRIPTS, books_balance, clean_env, free_port, run_script
+from processes import SCRIPTS, books_balance, clean_env, run_script
 
 
 @pytest.fixture(scope="module")
-def side_by_side(request, tmp_path_factory):
-    """The module's two longest launches, variants.py and paths.py, run side by side: much of a
-    launch is start-up and waiting on other processes, and neither asserts a timing. Only those
-    whose tests are selected start; both are over before the first of their tests runs, so the
-    launches that check timings (a frozen learner, a dead one) run alone."""
-    wanted = [name for name in ("variants", "paths")
-              if any(item.module is request.module and name in item.fixturenames for item in request.session.items)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        launched = {name: pool.submit(run_script, f"{name}.py", tmp_path_factory.mktemp(name)) for name in wanted}
-        wait(launched.values())
-        yield launched  # each fixture raises its own launch's failure
-
-
-@pytest.fixture(scope="module")
-def variants(side_by_side):
-    return side_by_side["variants"].result()
+def variants(launched):
+    return launched("variants")  # two at a time with other launches (tests/integration/conftest.py)
 
 
 @pytest.mark.parametrize("name", ["sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"])
@@ -154,9 +140,8 @@ def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def transports(tmp_path_factory):
-    return run_script("transport.py", tmp_path_factory.mktemp("transport"), timeout=120,
-                      TEST_PORT=str(free_port()))
+def transports(launched):
+    return launched("transport")
 
 
 @pytest.mark.parametrize("transport", ["gloo", "lanes"])
@@ -185,8 +170,8 @@ def test_the_transport_carries_small_and_large_payloads_and_the_servers_hold(tra
 
 
 @pytest.fixture(scope="module")
-def paths(side_by_side):
-    return side_by_side["paths"].result()
+def paths(launched):
+    return launched("paths")
 
 
 @pytest.mark.parametrize("run", ["sync@collective", "k_sync@collective", "k_batch_sync@collective",

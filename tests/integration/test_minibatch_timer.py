@@ -6,12 +6,11 @@ from statistics import median
 import pytest
 
 from lightning_stale.delays import Trace, fit
-from processes import run_script
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory):
-    return run_script("minibatch_timer.py", tmp_path_factory.mktemp("timer"))
+def traces(launched):
+    return launched("minibatch_timer")  # tests/integration/conftest.py
 
 
 def rows_by_learner(path):

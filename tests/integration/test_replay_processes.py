@@ -3,12 +3,12 @@ replayed in this process by `SimulatedStaleStrategy(replay=path)`.
 
 Tolerance: the replay computes every push on the recorded version's parameters and its learner's
 buffers, the recorded mini-batch and random seed, and the server core sums each update's
-gradients in the order the log names, so on the same machine, with one thread per process as
-the recorded learners ran, every state is bit-identical. A replay under another thread count
-may sum float32 products in another order inside a matrix multiply, and the collective path
-sums an update's gradients in its all-reduce's order, not the log's (the same sum for two
-learners, a few ulps apart for more): a few ulps per update, so the bound asserted is a
-relative difference of 1e-6 (float32's epsilon is 1.2e-7)."""
+gradients in the order the log names, with the recorded intra-op thread count (the log's
+header has it: the replay takes it for its fit, whatever this process's count after the tests
+before), so on the same machine every state is bit-identical. The collective path sums an
+update's gradients in its all-reduce's order, not the log's (the same sum for two learners, a
+few ulps apart for more): a few ulps per update, so the bound asserted is a relative difference
+of 1e-6 (float32's epsilon is 1.2e-7)."""
 
 import importlib.util
 import json
@@ -21,7 +21,7 @@ import torch
 
 from lightning_stale import SimulatedStaleStrategy
 from lightning_stale.replay import EventLogError, read_events
-from processes import SCRIPTS, run_script
+from processes import SCRIPTS
 
 
 def _script_module(name):
@@ -46,8 +46,8 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    return run_script("replay.py", tmp_path_factory.mktemp("recorded"))
+def recorded(launched):
+    return launched("replay")  # tests/integration/conftest.py
 
 
 def replay(path, tmp_path, module=build_module, **options):

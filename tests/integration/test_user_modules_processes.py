@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from processes import books_balance, run_script
+from processes import books_balance
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return run_script("user_modules.py", tmp_path_factory.mktemp("user_modules"))
+def runs(launched):
+    return launched("user_modules")  # tests/integration/conftest.py
 
 
 def test_batchnorm_state_is_the_same_on_every_learner_and_in_the_checkpoint(runs):
