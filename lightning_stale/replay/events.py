@@ -10,7 +10,9 @@ model. Every line has a ``"kind"``; the first line is the header, the last the s
   ``adaptive_k``), ``parameters`` (``[name, shape]`` of every trainable parameter and
   persistent buffer, in the order the server lays them out: a log is refused at once by a module
   of other shapes), ``optimizer`` (its class), ``digest_every``, ``trainer`` (the Trainer's
-  limits that decide when the fit ends) and ``sampler`` (how mini-batches are drawn).
+  limits that decide when the fit ends), ``sampler`` (how mini-batches are drawn) and
+  ``intra_op_threads`` (torch's intra-op thread count the run computed with, which a replay
+  takes for its fit; absent from older logs).
 - ``push``: ``push`` (its id: 0, 1, ... in arrival order), ``learner``, ``index`` (the learner's
   own push count, from 0), ``version`` (the version its gradient was computed at), ``t``
   (training seconds at the push, pauses excluded: virtual seconds in the simulator), ``loss``,
@@ -309,6 +311,9 @@ def _check_header(event: dict, where: str) -> None:
     if version > FORMAT_VERSION:
         raise EventLogError(f"{where}: the log has format version {version}, newer than version "
                             f"{FORMAT_VERSION} that this lightning_stale reads: upgrade lightning_stale")
+    threads = event.get("intra_op_threads", 1)  # (absent from logs written before it was recorded)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise EventLogError(f"{where}: intra_op_threads {threads!r} is not a thread count (an integer >= 1)")
 
 
 def module_layout(module: torch.nn.Module) -> list[list]:

@@ -83,9 +83,9 @@ def use_recorded_threads(header: dict, undo: list) -> None:
     A CPU matrix multiply splits its sums by thread, so another count sums float32 products in
     another order; through BatchNorm and AdamW, whose first steps divide a gradient by its own
     size, those last-bit differences grow to different parameters within a few updates."""
-    recorded = header.get("intra_op_threads")
+    recorded = header.get("intra_op_threads")  # (`read_events` checked it)
     current = torch.get_num_threads()
-    if isinstance(recorded, int) and recorded >= 1 and recorded != current:
+    if recorded is not None and recorded != current:
         torch.set_num_threads(recorded)
         undo.append(lambda: torch.set_num_threads(current))
 

@@ -236,6 +236,7 @@ def test_refuses_other_trainer_limits(recorded, tmp_path):
      rf"format version {FORMAT_VERSION + 1}, newer than version {FORMAT_VERSION}"),
     (lambda ev: [{**ev[0], "format": "something else"}] + ev[1:], r"not a lightning_stale.events log"),
     (lambda ev: [], r"is empty"),
+    (lambda ev: [{**ev[0], "intra_op_threads": 0}] + ev[1:], r"line 1: intra_op_threads 0 is not a thread count"),
 ])
 def test_refuses_bad_logs_at_once(recorded, tmp_path, damage, message):
     _, events = recorded
