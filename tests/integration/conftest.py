@@ -1,27 +1,32 @@
 """Everything here starts real processes (about 8 s of start-up each): marked slow, so that
 ``pytest -m "not slow"`` is the quick loop.
 
-The launches whose tests assert no timing run two at a time (`launched`): much of a launch is
-importing Lightning and waiting on other processes. Their tests run first, so that the launches
-that do check timings (the faults, a frozen or a dead learner, torchrun) run once they are over.
+Every launch that a selected test needs starts in the background when the session does
+(launches.py): one at a time while the unit tests run, which are ordered first, two at a time
+once the tests here wait for their results (``launched(name)``). Much of a launch is importing
+Lightning in one process after the other, so it takes the core a unit test leaves free.
 """
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from processes import free_port, run_race, run_script
+from fault_runs import RESUMES, run_case
+from launches import Launches
+from processes import free_port, run_crash, run_race, run_script, run_two_nodes
 
 HERE = Path(__file__).parent
 
 # name: (the test file, its fixture that takes the launch's result, the launch, given a folder)
-POOLED = {
+LAUNCHES = {
     "race": ("test_app_command_line.py", "race", run_race),
     "variants": ("test_engine_processes.py", "variants", lambda folder: run_script("variants.py", folder)),
     "paths": ("test_engine_processes.py", "paths", lambda folder: run_script("paths.py", folder)),
     "transport": ("test_engine_processes.py", "transports",
                   lambda folder: run_script("transport.py", folder, timeout=120, TEST_PORT=str(free_port()))),
+    "frozen": ("test_engine_processes.py", "frozen", lambda folder: run_script("frozen.py", folder)),
+    "crash": ("test_engine_processes.py", "crash", run_crash),
+    "two_nodes": ("test_engine_processes.py", "two_nodes", run_two_nodes),
     "minibatch_timer": ("test_minibatch_timer.py", "traces",
                         lambda folder: run_script("minibatch_timer.py", folder)),
     "replay": ("test_replay_processes.py", "recorded", lambda folder: run_script("replay.py", folder)),
@@ -30,27 +35,52 @@ POOLED = {
 }
 
 
-def _uses(item, name):
-    module, fixture, _ = POOLED[name]
-    return Path(item.fspath).name == module and fixture in item.fixturenames
+def _needs(item):
+    """The launches whose results ``item`` takes, by name."""
+    if not Path(item.fspath).is_relative_to(HERE):
+        return []
+    module = Path(item.fspath).name
+    if module == "test_faults.py":
+        case = item.callspec.params["case"]  # (every test there takes one)
+        return [f"faults/{RESUMES}", "faults/resume"] if case == "resume" else [f"faults/{case}"]
+    return [name for name, (file, fixture, _) in LAUNCHES.items() if file == module and fixture in item.fixturenames]
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(item.fspath).is_relative_to(HERE):
             item.add_marker(pytest.mark.slow)
-    # (a stable sort: the pooled launches' tests, then the unit tests, then the other launches)
-    items.sort(key=lambda item: Path(item.fspath).is_relative_to(HERE) and not any(_uses(item, n) for n in POOLED))
+    # (a stable sort: the unit tests first, while the launches run in the background)
+    items.sort(key=lambda item: Path(item.fspath).is_relative_to(HERE))
+
+
+def _job(name):
+    if name.startswith("faults/"):
+        case = name.split("/", 1)[1]
+        return lambda folder, result: run_case(case, folder, result)
+    launch = LAUNCHES[name][2]
+    return lambda folder, result: launch(folder)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    wanted = list(dict.fromkeys(name for item in session.items for name in _needs(item)))
+    if session.config.option.collectonly or not wanted:
+        return (yield)
+    factory = session.config._tmp_path_factory  # (tmp_path_factory's; fixtures are not up yet)
+    launches = Launches({name: (factory.mktemp(name.replace("/", "-")), _job(name)) for name in wanted})
+    session.config.stash[LAUNCHES_KEY] = launches
+    try:
+        return (yield)
+    finally:
+        launches.stop()
+
+
+LAUNCHES_KEY = pytest.StashKey[Launches]()
 
 
 @pytest.fixture(scope="session")
-def launched(request, tmp_path_factory):
-    """``launched(name)``: the result of the launch ``name`` of `POOLED`. At the first call every
-    launch that a selected test needs starts, two at a time, in the tests' order."""
-    wanted = [name for name in POOLED if any(_uses(item, name) for item in request.session.items)]
-    first = {name: next(i for i, item in enumerate(request.session.items) if _uses(item, name)) for name in wanted}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(POOLED[name][2], tmp_path_factory.mktemp(name))
-                   for name in sorted(wanted, key=first.get)}
-        yield lambda name: futures[name].result()
-        pool.shutdown(wait=True, cancel_futures=True)  # (after a failure, what has not started never will)
+def launched(request):
+    """``launched(name)``: the result of the launch ``name`` (of `LAUNCHES`, or ``faults/CASE``),
+    waiting for it."""
+    return request.config.stash[LAUNCHES_KEY].result

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -14,8 +15,14 @@ LAUNCHER_VARIABLES = {"LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "M
                       "PL_SEED_WORKERS"}
 
 
+# The environment the session started with: the launches run in the background while tests
+# change os.environ (tests/conftest.py's OMP_NUM_THREADS=1, a test's monkeypatch), and a launched
+# run sees what a user's would.
+SESSION_ENV = dict(os.environ)
+
+
 def clean_env():
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env = {k: v for k, v in SESSION_ENV.items() if k not in LAUNCHER_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")])
     return env
 
@@ -42,6 +49,27 @@ def run_race(tmp_path):
     result = subprocess.run(RACE_COMMAND + [f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=clean_env(),
                             capture_output=True, text=True, timeout=420, stdin=subprocess.DEVNULL)
     return result, run_dir
+
+
+def run_crash(tmp_path):
+    """crash.py (a learner dies mid-run): the finished launcher and its wall-clock seconds."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(SCRIPTS / "crash.py")], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    return result, time.monotonic() - start
+
+
+def run_two_nodes(tmp_path):
+    """two_nodes.py under torchrun, two nodes of two processes on this host: the two finished
+    node launchers, their output, and the path of rank 0's results."""
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(SCRIPTS / "two_nodes.py"), str(out)]
+    nodes = [subprocess.Popen(command[:3] + [f"--node-rank={rank}"] + command[3:], cwd=tmp_path, env=clean_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+             for rank in (0, 1)]
+    logs = [node.communicate(timeout=300)[0] for node in nodes]
+    return nodes, logs, out
 
 
 def free_port():

@@ -1,21 +1,17 @@
 """StaleStrategy on real processes (CPU, gloo): what only a multi-process run can show.
 
-Each test launches one script from tests/integration/scripts/ (four processes, about 8 s of
-start-up each; those whose tests assert no timing two at a time, tests/integration/conftest.py)
-and checks what global rank 0 wrote. The decision
-logic itself is tested in-process in tests/unit (test_rules.py, test_server_loop.py).
+Each test checks what global rank 0 wrote in a launch of a script from tests/integration/scripts/
+(four processes, about 8 s of start-up each), launched in the background from the start of the
+session (tests/integration/conftest.py). The decision logic itself is tested in-process in tests/unit (test_rules.py, test_server_loop.py).
 """
 
 import json
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from processes import SCRIPTS, books_balance, clean_env, run_script
+from processes import books_balance
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +89,13 @@ def test_checkpoint_holds_the_server_and_resume_continues(variants):
     assert resume["updates"][0] == 31 and resume["stats"]["updates"] == 50
 
 
-def test_a_frozen_learner_does_not_stall_the_server(tmp_path):
-    result = run_script("frozen.py", tmp_path)
+@pytest.fixture(scope="module")
+def frozen(launched):
+    return launched("frozen")
+
+
+def test_a_frozen_learner_does_not_stall_the_server(frozen):
+    result = frozen
     for name in ("k_async", "k_sync"):
         run = result[name]
         # it really was stopped (a push already on the wire when SIGSTOP hit may still land)
@@ -108,12 +109,15 @@ def test_a_frozen_learner_does_not_stall_the_server(tmp_path):
     assert max(int(s) for s in result["k_async"]["stats"]["staleness_histogram"]) > 50
 
 
-def test_a_dead_learner_ends_the_run_with_an_error_not_a_hang(tmp_path):
-    start = time.monotonic()
-    result = subprocess.run([sys.executable, str(SCRIPTS / "crash.py")], cwd=tmp_path, env=clean_env(),
-                            capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+@pytest.fixture(scope="module")
+def crash(launched):
+    return launched("crash")  # processes.run_crash
+
+
+def test_a_dead_learner_ends_the_run_with_an_error_not_a_hang(crash):
+    result, elapsed = crash
     assert result.returncode == 1
-    assert time.monotonic() - start < 200
+    assert elapsed < 200
     # every other learner names the dead one (its connection broke: the server's receiving or
     # sending thread noticed), not just a broken connection of its own
     output = result.stdout + result.stderr
@@ -121,14 +125,13 @@ def test_a_dead_learner_ends_the_run_with_an_error_not_a_hang(tmp_path):
         assert re.search(rf"\[rank{rank}\]: \S*ServerFailed: learner 2 died", output), output[-3000:]
 
 
-def test_two_nodes_of_two_processes_under_torchrun(tmp_path):
-    out = tmp_path / "result.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-               "--master-addr=127.0.0.1", "--master-port=29583", str(SCRIPTS / "two_nodes.py"), str(out)]
-    nodes = [subprocess.Popen(command[:3] + [f"--node-rank={rank}"] + command[3:], cwd=tmp_path, env=clean_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
-             for rank in (0, 1)]
-    logs = [node.communicate(timeout=300)[0] for node in nodes]
+@pytest.fixture(scope="module")
+def two_nodes(launched):
+    return launched("two_nodes")  # processes.run_two_nodes
+
+
+def test_two_nodes_of_two_processes_under_torchrun(two_nodes):
+    nodes, logs, out = two_nodes
     assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
     result = json.loads(out.read_text())
     assert result["is_torchelastic"]

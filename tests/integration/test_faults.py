@@ -7,140 +7,23 @@ rank, the counters balanced, the logs written so far complete, and, for a learne
 """
 
 import csv
-import json
-import os
 import re
 import signal
-import subprocess
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from processes import SCRIPTS, books_balance, clean_env
+from processes import books_balance
 
 DEADLINE_S = 10.0  # from the fault until every process of the run is gone
-LAUNCH_TIMEOUT_S = 150
-
-
-@dataclass
-class Run:
-    status: int | None  # the launcher's (rank 0's) exit status; None while it is frozen
-    output: str
-    out: Path
-    fault: dict | None  # what was injected, and when (time.time())
-    gone_after: float  # seconds from the fault (or the start) until every process was gone
-    exceptions: dict  # rank -> {"type", "message", "time"}: how each process's fit ended
-    ends: dict  # rank -> {"raised": the exception fit raised, or None}
-    rank0: dict | None  # rank 0's report after fit (see faults.py)
-    frozen_status: dict  # rank -> exit status of the children of a frozen launcher
-
-    def logs(self):
-        return self.out / "logs" / "version_0"
-
-    def tail(self):
-        return self.output[-8000:]  # (after a hang: every thread's stack)
-
-
-def _proc_state(pid):
-    """(state letter, exit status for a zombie) of a process, or None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[-1]) >> 8  # exit_code (Linux >= 3.5), waitpid's encoding
-
-
-def _running(pid):
-    state = _proc_state(pid)
-    return state is not None and state[0] not in "ZX"
-
-
-def _pids(out):
-    return {int(p.name.split("_")[1]): int(p.read_text()) for p in out.glob("pid_*")}
-
-
-def _read(path):
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def launch(case, tmp_path, *args, frozen=()):
-    """Run one case; ``frozen``: ranks left stopped by the fault (not waited for; killed after)."""
-    out = tmp_path / case
-    out.mkdir()
-    start = time.time()
-    with (out / "output.txt").open("w") as log:
-        proc = subprocess.Popen([sys.executable, str(SCRIPTS / "faults.py"), case, str(out), *map(str, args)],
-                                cwd=out, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    frozen_status = {}
-    try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while time.monotonic() < deadline:
-            pids = _pids(out)
-            launcher_done = proc.poll() is not None or (0 in frozen and (out / "fault.json").exists())
-            if launcher_done and pids and not any(_running(p) for r, p in pids.items() if r not in frozen):
-                break
-            time.sleep(0.05)
-        else:  # a hang: every process prints its threads' stacks into the output
-            for pid in _pids(out).values():
-                if _running(pid):
-                    os.kill(pid, signal.SIGUSR1)
-            time.sleep(2)
-        gone = time.time()
-        for rank, pid in _pids(out).items():
-            state = _proc_state(pid)
-            if rank not in frozen and state is not None and state[0] == "Z":
-                frozen_status[rank] = state[1]  # a child the stopped launcher could not reap
-    finally:
-        for sig in (signal.SIGKILL, signal.SIGCONT):
-            try:
-                os.killpg(proc.pid, sig)  # whatever is left of the run, orphans included
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=30)
-    fault = _read(out / "fault.json")
-    print(f"{case}: every process gone {gone - (fault['time'] if fault else start):.1f} s after the "
-          f"{'fault' if fault else 'start'}")
-    exceptions = {int(p.stem.split("_")[1]): _read(p) for p in out.glob("exception_*.json")}
-    ends = {int(p.stem.split("_")[1]): _read(p) for p in out.glob("end_*.json")}
-    return Run(None if 0 in frozen else proc.returncode, (out / "output.txt").read_text(), out, fault,
-               gone - (fault["time"] if fault else start), exceptions, ends, _read(out / "rank0.json"),
-               frozen_status)
-
-
-FROZEN = {"sigstop_server": (0,), "continue_frozen_at_epoch_end": (2,)}  # a case's ranks left stopped by its fault (see `launch`)
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    """Launches a case once for the whole module (the resume test reuses a pre-empted run), and
-    the next selected test's case beside it: two launches at a time, most of a launch being
-    waiting (on the fault, on timeouts, on the other process). The order is the collected
-    tests' ``case`` parameters; "resume" starts from a run's checkpoint: launched when asked."""
-    folder, started = tmp_path_factory.mktemp("faults"), {}
-    order = []
-    for item in request.session.items:
-        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-        if item.module is request.module and case is not None and case not in order:
-            order.append(case)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-
-        def start(case, *args):
-            if case not in started:
-                started[case] = pool.submit(launch, case, folder, *args, frozen=FROZEN.get(case, ()))
-
-        def get(case, *args):
-            start(case, *args)
-            if case in order and order.index(case) + 1 < len(order):
-                start(order[order.index(case) + 1])
-            return started[case].result()
-        yield get
+def runs(launched):
+    """``runs(case)``: the run of faults.py's ``case`` (fault_runs.launch), launched in the
+    background from the start of the session (tests/integration/conftest.py)."""
+    return lambda case: launched(f"faults/{case}")
 
 
 def assert_ended_at_once(run, cause, ranks=(0, 1)):
@@ -242,12 +125,12 @@ def test_a_signal_to_any_process_stops_every_learner_through_the_shutdown_protoc
     assert checkpoint["matches_server"] and checkpoint["server"]["updates"] == run.rank0["stats"]["updates"]
 
 
-@pytest.mark.parametrize("case", ["sigterm_launcher"])
+@pytest.mark.parametrize("case", ["resume"])  # from the checkpoint of "sigterm_launcher"
 def test_a_preempted_run_resumes_from_its_exception_checkpoint(runs, case):
-    first = runs(case)
+    first = runs("sigterm_launcher")
     saved = torch.load(first.out / "on_exception.ckpt", weights_only=False)["stale_server"]["updates"]
     assert 15 <= saved < 60
-    run = runs("resume", first.out / "on_exception.ckpt")
+    run = runs(case)
     assert run.status == 0 and run.ends == {0: {"raised": None}, 1: {"raised": None}}, run.tail()
     assert run.rank0["updates"] == list(range(saved + 1, 61))  # the update count goes on
     assert run.rank0["stats"]["updates"] == 60 and books_balance(run.rank0["stats"])
