@@ -46,14 +46,30 @@ OuterFactory = Callable[[Sequence[Tensor]], Optimizer]
 PLAIN_AVERAGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}
 
 
-def refuse_on_real_engine(local_steps: Any, adaptive_h: Any = None) -> None:
-    """`StaleStrategy`'s check: H = 1 only, until its engine takes local steps."""
-    if check_local_steps(local_steps) != 1:
-        raise ValueError(f"local_steps={local_steps}: local updates run on SimulatedStaleStrategy "
-                         "for now; StaleStrategy takes local_steps=1 (a push per step)")
+def check_real_engine_local_updates(local_steps: Any, outer_optimizer: Any, adaptive_h: Any, server: str,
+                                    record_events: Any, payload_channels: bool) -> OuterFactory | None:
+    """`StaleStrategy`'s checks of its local-update options; returns the outer optimizer's
+    factory for this run (None: no local updates). Local updates run on the central path only:
+    the collective and sharded paths, AdaComm's adaptive H, event logs and device channels are
+    refused with them, naming what to use instead."""
+    h = check_local_steps(local_steps)
+    outer = outer_optimizer_factory(outer_optimizer)
     if adaptive_h is not None:
-        raise ValueError(f"adaptive_h={adaptive_h!r}: AdaComm's adaptive H runs with local updates "
-                         "on SimulatedStaleStrategy for now; StaleStrategy takes adaptive_h=None")
+        raise ValueError(f"adaptive_h={adaptive_h!r}: AdaComm's adaptive H runs with local updates on "
+                         "SimulatedStaleStrategy only; StaleStrategy takes adaptive_h=None (a fixed local_steps)")
+    if h == 1 and outer is None:
+        return None
+    given = f"local_steps={h}" + ("" if outer is None else " with an outer_optimizer")
+    if server not in ("central", "auto"):
+        raise ValueError(f"server={server!r} with {given}: local updates run on the central path on "
+                         "StaleStrategy; use server='central' (or 'auto'), or SimulatedStaleStrategy")
+    if record_events:
+        raise ValueError(f"record_events={record_events!r} cannot go with local updates ({given}): an "
+                         "event log holds one mini-batch per push; use record_events=False")
+    if payload_channels:
+        raise ValueError(f"payload_channels=True with local updates ({given}): pseudo-gradients travel "
+                         "through host memory; use payload_channels=False")
+    return outer or plain_averaging()
 
 
 def outer_optimizer_factory(spec: Any) -> OuterFactory | None:

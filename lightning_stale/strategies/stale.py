@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from datetime import timedelta
@@ -19,6 +20,7 @@ from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.channels import close_channels
 from lightning_stale.engine.distributed.learner import Learner
+from lightning_stale.engine.distributed.local_steps import LocalSteps
 from lightning_stale.engine.distributed.paths.base import CheckpointPart, CheckpointView, LearnerSide
 from lightning_stale.engine.distributed.paths.registry import (
     check_path,
@@ -38,7 +40,7 @@ from lightning_stale.strategies.lightning_api import (
     replace_sigterm_broadcast,
     set_global_step,
 )
-from lightning_stale.strategies.local_updates import refuse_on_real_engine
+from lightning_stale.strategies.local_updates import check_real_engine_local_updates
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.options import DELAY_MODES, check_launch, check_options, settle_transport
 from lightning_stale.strategies.pace import OwnPaceCollectives
@@ -154,8 +156,14 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
                  overlap_allreduce: bool | None = None, payload_channels: bool = False,
                  record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
-                 local_steps: int = 1, adaptive_h: Any = None, **ddp_kwargs: Any) -> None:
-        refuse_on_real_engine(local_steps, adaptive_h)  # local updates: SimulatedStaleStrategy for now
+                 local_steps: int = 1, outer_optimizer: str | dict | None = None, adaptive_h: Any = None,
+                 **ddp_kwargs: Any) -> None:
+        self._outer = check_real_engine_local_updates(local_steps, outer_optimizer, adaptive_h, server,
+                                                      record_events, payload_channels)
+        self.local_updates = self._outer is not None
+        self.local_steps, self.outer_optimizer, self.adaptive_h = int(local_steps), outer_optimizer, None
+        if self.local_updates:
+            server = "central"  # (the only path that takes them: "auto" chooses it)
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
                       hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
@@ -175,6 +183,7 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
+        self._rounds: LocalSteps | None = None  # this rank's rounds of local updates
         self._side: LearnerSide | None = None  # this rank's learner side (its stats outlive the learner)
         self._checkpoint: CheckpointPart | None = None  # on rank 0, the path's part of a checkpoint
         self._samplers: list[IndependentBatchSampler] = []
@@ -233,7 +242,13 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
         self._schedulers = self.take_over_schedulers(trainer)
-        self._clip = self.take_over_clipping(trainer)
+        if self.local_updates and self._schedulers:
+            raise ValueError(f"StaleStrategy with local_steps={self.local_steps} cannot run LR schedulers "
+                             f"({len(self._schedulers)} configured): each learner's inner optimizer would need "
+                             "them stepped by inner steps along the server's trajectory; use a constant "
+                             "learning rate, or SimulatedStaleStrategy for scheduled local updates")
+        # (with local updates each learner clips its inner steps' gradients, as a DDP rank does)
+        self._clip = None if self.local_updates else self.take_over_clipping(trainer)
         # Lightning broadcasts rank 0's SIGTERM flag before every training batch, which would put
         # learners in lock-step; signals are the server's business here (see faults.py).
         self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop, lambda: None))
@@ -269,7 +284,9 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                                        clips=self._clip is not None, nodes=self.num_nodes,
                                        shared_memory=self.shared_memory and not self.payload_channels,
                                        cpu=self.root_device.type == "cpu")
-        limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
+        # (with local updates max_steps counts inner steps, H per server update, as global_step does)
+        max_updates = trainer.max_steps if trainer.max_steps < 0 else math.ceil(trainer.max_steps / self.local_steps)
+        limits = ServerLimits(max_updates=max_updates, pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         overlap, self._channels = settle_transport(self, trainer, variant)
         observer = self._start_recording(trainer)
@@ -277,11 +294,13 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                               on_learner_failure=self.on_learner_failure, server_timeout=self.server_timeout,
                               compensation=self.staleness_compensation, adaptive=self._adaptive, overlap=overlap,
                               shared_memory=self.shared_memory, shutdown_timeout=self.shutdown_timeout,
-                              channels=self._channels, timeout=self._timeout, observer=observer)
+                              channels=self._channels, timeout=self._timeout, observer=observer,
+                              local_steps=self.local_steps, outer=self._outer)
         learner, self._server, self._channel_ends = build_rank(
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
         self._learner, self._resume, self._side = learner, None, learner.exchange
+        self._rounds = LocalSteps(learner, self.optimizers[0], self.local_steps) if self.local_updates else None
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
         self._checkpoint = None if self._server is None else path_named(self.path).checkpoint(CheckpointView(
             self._server, self.lightning_module, optimizer=lambda: self.optimizers[0], learner=lambda: self._learner,
@@ -310,6 +329,8 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             if schedules is not None:
                 schedules.end_epoch(self._epoch - 1, metrics)
             self.guarded(self._fitting.resume)
+        if first_micro_batch and self._rounds is not None:
+            self._rounds.begin()  # a round starts from the parameters taken, or goes on
         if first_micro_batch:
             self._batch_started = time.monotonic()
             with torch.no_grad():  # (into the storage allocated with the learner)
@@ -326,6 +347,8 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         # A push; the learner's own optimizer never steps: the server's does.
         model = model if model is not None else self.lightning_module
+        if self._rounds is not None:
+            return self._local_step(self._rounds, model, optimizer, closure)
         loss, overflow = self.compute_gradient(model, optimizer, closure)
         trainer, learner = self.lightning_module.trainer, self._fitting
         if loss is not None:
@@ -355,6 +378,33 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             trainer.should_stop = True
         self._report_metrics(trainer)
         return loss
+
+    def _local_step(self, rounds: LocalSteps, model, optimizer, closure) -> Any:
+        """One inner step of this learner's round (its own optimizer steps); the round's last
+        pushes the pseudo-gradient. ``global_step`` is H x the server updates, as on
+        `SimulatedStaleStrategy`."""
+        loss, overflow = self.compute_gradient(model, optimizer, closure)
+        trainer, learner = self.lightning_module.trainer, self._fitting
+        if loss is not None:  # (a skipped training_step is no step: the round goes on)
+            loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
+            self.guarded(rounds.step, loss_value, self._batch_samples, overflow)
+            if rounds.pushed:
+                self.minibatch_times.append(learner.last_x)  # the round's time, for MiniBatchTimer
+        self._batch_samples = 0
+        self.note_dead_learners(trainer)
+        set_global_step(trainer, max(learner.version, 0) * self.local_steps)
+        if learner.stopped:
+            trainer.should_stop = True
+        return loss
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.local_updates and self.fitting():
+            raise ValueError(f"resuming a fit (ckpt_path={checkpoint_path!r}) with local_steps="
+                             f"{self.local_steps} is not supported on StaleStrategy: the learners' inner "
+                             "optimizer states are not saved; resume on SimulatedStaleStrategy, or start "
+                             "a new fit from the checkpoint's weights (LightningModule.load_from_checkpoint)")
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     def _report_metrics(self, trainer) -> None:
         """A plateau scheduler stepped per update reads the latest logged metrics."""

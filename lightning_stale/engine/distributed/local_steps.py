@@ -17,7 +17,7 @@ import time
 from torch.optim import Optimizer
 
 from lightning_stale.engine.distributed.learner import Learner
-from lightning_stale.engine.local_round import LocalRound, take_inner_state
+from lightning_stale.engine.local_round import LocalRound, cloned_state, give_inner_state, optimizer_params
 
 
 class LocalSteps:
@@ -40,7 +40,7 @@ class LocalSteps:
         learner = self.learner
         if self.round is not None and learner.version != self.version:
             learner.cancelled += 1
-            self.round = None
+            self._abandon()
         if self.round is None:
             pulled = getattr(learner.exchange, "pulled", None)
             assert pulled is not None, "local updates start from the parameters the learner took"
@@ -58,15 +58,23 @@ class LocalSteps:
         self.pushed = False
         if not round_.step(self.optimizer, learner.vectors.params, loss, overflow):
             if learner.between_inner_steps():
-                self.round = None  # abandoned: the stored inner state is the next round's
+                self._abandon()
                 return True
             return False
         self.round = None
-        state = take_inner_state(self.optimizer)  # (the next round gets a copy of what is kept)
+        # (a copy: the optimizer keeps its own, which a checkpoint between rounds saves)
+        state = cloned_state([self.optimizer.state.get(p) for p in optimizer_params(self.optimizer)])
         learner.exchange.present = round_.present  # type: ignore[attr-defined]
         cancelled, pushes = learner.cancelled, learner.pushes
         learner.step(round_.loss, self.samples, self.started_at)
         if learner.cancelled == cancelled:  # pushed, or carried over an epoch's end to be pushed
             self.state = state
+        if learner.cancelled != cancelled:
+            give_inner_state(self.optimizer, cloned_state(self.state))
         self.pushed = learner.pushes > pushes
         return True
+
+    def _abandon(self) -> None:
+        """Drop the round and what it did to the inner optimizer's state."""
+        self.round = None
+        give_inner_state(self.optimizer, cloned_state(self.state))
