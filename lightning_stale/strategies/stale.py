@@ -125,9 +125,17 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             micro-batch per push, no gradient scaler, and no ``on_after_backward`` or
             ``on_before_optimizer_step`` override in the module or a callback (which may change
             the gradients). ``trainer.strategy.overlapped_updates`` counts such updates.
-        local_steps: 1 only (a push per step); local updates run on `SimulatedStaleStrategy`
-            for now (docs/how-to/local-updates.md).
-        adaptive_h: None only; AdaComm's adaptive H runs on `SimulatedStaleStrategy` for now.
+        local_steps: H, local updates (docs/how-to/local-updates.md, central path only): each
+            learner takes H steps of the module's optimizer (its own state, kept from one pushed
+            round to the next) from the parameters it took, then pushes the pseudo-gradient,
+            those parameters minus its current ones; its injected delay is the sum of H draws.
+            New parameters or the stop arriving between two inner steps cancel the round. 1
+            (the default): a push per step, the paper's method.
+        outer_optimizer: how the server applies an update's averaged pseudo-gradients: None for
+            plain averaging (SGD, lr 1, no momentum), or a class path and its arguments,
+            ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9,
+            "nesterov": True}}`` (DiLoCo). Given, it makes local updates even with H = 1.
+        adaptive_h: None only; AdaComm's adaptive H runs on `SimulatedStaleStrategy`.
         **ddp_kwargs: `DDPStrategy`'s accelerator, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin, process_group_backend, timeout, start_method.
 
@@ -141,6 +149,15 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
     SIGTERM or SIGINT on any process stops every learner through the goodbye protocol, then
     raises `RunInterrupted` on every process (docs: how-to/faults.md). ``trainer.strategy.stats``
     on global rank 0 holds the server's counters (after a failure, those at the failure).
+
+    With local updates, one Lightning training step is one inner step of this learner, and
+    ``trainer.global_step`` is H x the server updates its parameters come from: ``max_steps``
+    and ``estimated_stepping_batches`` count inner steps (the server stops after
+    ceil(max_steps / H) updates), as on `SimulatedStaleStrategy` and under DDP with model
+    averaging; gradient clipping applies to each inner step. Refused with them, naming what to
+    use instead: the collective and sharded paths, ``adaptive_h``, ``record_events`` and
+    ``payload_channels`` (at construction), LR schedulers (at setup), and resuming a fit with
+    ``ckpt_path`` (the learners' inner states are not saved).
     """
 
     strategy_name = "stale"
