@@ -282,7 +282,7 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             return dataloader
         sampler, self._pushes_per_epoch = independent_sampler(
             dataloader, self.seed, self.global_rank, self.num_learners, self._limit_train_batches,
-            trainer.accumulate_grad_batches)
+            trainer.accumulate_grad_batches, self.local_steps)
         self._note_draws(sampler)
         self._samplers.append(sampler)
         return sampler.loader(dataloader)

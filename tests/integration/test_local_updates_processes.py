@@ -30,3 +30,11 @@ def test_the_outer_nesterov_step_and_staleness(runs):
     assert runs["sync_diloco"]["stats"]["shared_memory_learners"] == [1]
     assert max(runs["async_slow_learner"]["staleness_max"]) >= 1  # the fast learner went on
     assert runs["k_batch_sync_gloo"]["stats"]["shared_memory_learners"] == []
+
+
+def test_epochs_are_passes_of_inner_steps_and_rounds_go_on_over_their_ends(runs):
+    run = runs["async_epochs"]
+    stats = run["stats"]
+    assert stats["updates"] == 20 and run["global_step"] == 60 and books_balance(stats)
+    assert stats["epochs"] == 2  # 8 pushes an epoch: 2 x ceil(12 / 3)
+    assert "val/loss" in run["callback_metrics"] and run["module_matches_server"]

@@ -190,10 +190,10 @@ def _lightning_fit(strategy, tmp_path, ckpt_path=None, **trainer_kwargs):
 
     pl.seed_everything(3, verbose=False)
     model = MomentumClassifier(lr=0.05)
-    options = {**QUIET, "default_root_dir": str(tmp_path), "max_steps": 7, "max_epochs": 2, **trainer_kwargs}
+    options = {**QUIET, "default_root_dir": str(tmp_path), "max_steps": 7, "max_epochs": 10, **trainer_kwargs}
     trainer = pl.Trainer(strategy=strategy, **options)
     try:
-        trainer.fit(model, datamodule=OneSampleData(batch_size=8, n=64), ckpt_path=ckpt_path)
+        trainer.fit(model, datamodule=OneSampleData(batch_size=8, n=32), ckpt_path=ckpt_path)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -210,6 +210,8 @@ def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(
     # max_steps=7 counts inner steps, 3 per update: both stop after ceil(7 / 3) = 3 updates
     assert real.strategy.stats["updates"] == simulated.strategy.stats["updates"] == 3
     assert real.global_step == simulated.global_step == 9
+    # an epoch is one pass worth of inner steps, 4 batches: ceil(4 / 3) = 2 pushes of one learner
+    assert real.strategy.stats["epochs"] == 1
     assert real.strategy.stats["pushes_per_learner"] == [3]
     for a, b in zip(real.lightning_module.parameters(), simulated.lightning_module.parameters()):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -19,7 +19,10 @@ RUNS = {
                                delay=SlowLearners(ShiftedExponential(shift=0.002, mean=0.004, seed=1),
                                                   learners=[1], factor=6)),
     "k_batch_sync_gloo": dict(variant="k_batch_sync", k=2, local_steps=2, shared_memory=False),
+    # short epochs (12 batches a learner: 8 pushes), each validated: rounds span their ends
+    "async_epochs": dict(variant="async", local_steps=3),
 }
+TRAINER = {"async_epochs": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60)}
 results = {}
 trainer = None
 for name, options in RUNS.items():
@@ -29,8 +32,9 @@ for name, options in RUNS.items():
     model = Classifier(MLP(dm.input_shape, dm.num_classes, hidden), lr=0.1)
     capture = CaptureRecords()
     options = {"delay": ShiftedExponential(shift=0.001, mean=0.002, seed=1), **options}
-    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=48, callbacks=[capture],
-                         strategy=StaleStrategy(**options, record_trace=False), **QUIET)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, callbacks=[capture],
+                         strategy=StaleStrategy(**options, record_trace=False),
+                         **{**QUIET, "max_steps": 48, **TRAINER.get(name, {})})
     trainer.fit(model, dm)
     if trainer.global_rank == 0:
         results[name] = summary(trainer, capture)
