@@ -155,8 +155,9 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
     and ``estimated_stepping_batches`` count inner steps (the server stops after
     ceil(max_steps / H) updates), as on `SimulatedStaleStrategy` and under DDP with model
     averaging; gradient clipping applies to each inner step. Refused with them, naming what to
-    use instead: the collective and sharded paths, ``adaptive_h``, ``record_events`` and
-    ``payload_channels`` (at construction), LR schedulers (at setup), and resuming a fit with
+    use instead: the collective and sharded paths, ``adaptive_h``, ``record_events``,
+    ``payload_channels``, ``on_learner_failure="continue"``, ``adaptive_k`` and the "norm"
+    compensation (at construction), LR schedulers (at setup), and resuming a fit with
     ``ckpt_path`` (the learners' inner states are not saved).
     """
 
@@ -175,8 +176,10 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                  record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
                  local_steps: int = 1, outer_optimizer: str | dict | None = None, adaptive_h: Any = None,
                  **ddp_kwargs: Any) -> None:
+        compensation = StalenessCompensation.create(staleness_compensation)
         self._outer = check_real_engine_local_updates(local_steps, outer_optimizer, adaptive_h, server,
-                                                      record_events, payload_channels)
+                                                      record_events, payload_channels, on_learner_failure,
+                                                      adaptive_k, compensation)
         self.local_updates = self._outer is not None
         self.local_steps, self.outer_optimizer, self.adaptive_h = int(local_steps), outer_optimizer, None
         if self.local_updates:

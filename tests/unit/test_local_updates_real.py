@@ -53,8 +53,8 @@ def expected_pushes(run: InProcessRun, h: int) -> dict[int, torch.Tensor]:
 
 def check_outer_rule(run: InProcessRun, h: int, lr: float = 1.0, momentum: float = 0.0,
                      nesterov: bool = False) -> None:
-    """Every update is w_{j+1} = w_j - lr * d_j for the mean Delta_j of its K pseudo-gradients,
-    with d_j = Delta_j (plain averaging: lr 1) or SGD's Nesterov step: b_j = mu b_{j-1} + Delta_j
+    """Every update is w_{j+1} = w_j - lr * d_j for the mean Delta_j of its K pseudo-gradients
+    (each weighted by the update's staleness compensation, if any), with d_j = Delta_j (plain averaging: lr 1) or SGD's Nesterov step: b_j = mu b_{j-1} + Delta_j
     (b_1 = Delta_1), d_j = Delta_j + mu b_j (torch.optim.SGD; DiLoCo, Douillard et al. 2023)."""
     assert [u.update.index for u in run.updates] == list(range(1, len(run.updates) + 1))
     pushes = expected_pushes(run, h)
@@ -62,11 +62,13 @@ def check_outer_rule(run: InProcessRun, h: int, lr: float = 1.0, momentum: float
     for recorded in run.updates:
         update = recorded.update
         mean = torch.zeros_like(run.parameters(0))
-        for push in update.gradients:
+        weights = recorded.weights or [1.0] * len(update.gradients)
+        by_learner = sorted(update.gradients, key=lambda g: g.learner)  # weights are in learner order
+        for push, weight in zip(by_learner, weights):
             assert run.pushes[push.id].version == push.version
             pushed = run.pushed(push.id).gradient
             assert isclose(pushed, pushes[push.id]), f"push {push.id}"
-            mean += pushed / len(update.gradients)
+            mean += weight * pushed / len(update.gradients)
         step = mean
         if momentum:
             momentum_buffer = mean.clone() if momentum_buffer is None else momentum * momentum_buffer + mean
@@ -140,6 +142,18 @@ def test_async_local_rounds_are_applied_stale_and_the_books_balance():
     assert sum(stats["pushes_per_learner"]) == len(run.pushes) == stats["gradients_received"]
 
 
+def test_k_batch_async_weighs_stale_rounds_by_inverse_staleness():
+    torch.manual_seed(0)
+    run = InProcessRun(um.Classifier(lr=0.05), blob_batches(), "k_batch_async", p=3, k=2,
+                       delays={0: 0.003, 1: 0.003, 2: 0.03}, max_updates=20, local_steps=2,
+                       compensation="inverse").fit()
+    stale = [u for u in run.updates if max(u.update.staleness) > 1]
+    assert stale and all(u.weights is not None for u in stale)
+    assert any(min(u.weights) < 1.0 for u in stale)  # 1 / max(1, s): a stale round counts less
+    check_outer_rule(run, h=2)
+    assert books_balance(run.stats)
+
+
 def test_k_batch_sync_pushers_start_each_round_from_the_version_they_hold():
     torch.manual_seed(0)
     run = InProcessRun(um.Classifier(lr=0.05), blob_batches(), "k_batch_sync", p=3, k=3,
@@ -166,6 +180,12 @@ def test_local_steps_are_checked_and_the_paths_without_them_refused():
         StaleStrategy("sync", local_steps=4, record_events=True)
     with pytest.raises(ValueError, match=r"payload_channels=True.*local updates.*payload_channels=False"):
         StaleStrategy("sync", local_steps=4, payload_channels=True)
+    with pytest.raises(ValueError, match=r"on_learner_failure='continue' with local updates.*'stop'"):
+        StaleStrategy("k_sync", 1, local_steps=4, on_learner_failure="continue")
+    with pytest.raises(ValueError, match=r"adaptive_k=2.0 with local updates.*fixed k"):
+        StaleStrategy("k_async", local_steps=4, adaptive_k=2.0)
+    with pytest.raises(ValueError, match=r"staleness_compensation=.*norm.*local updates.*'inverse'"):
+        StaleStrategy("k_async", local_steps=4, staleness_compensation={"mode": "norm", "c": 0.05})
     with pytest.raises(ValueError, match=r"outer_optimizer class_path 'torch.optim.Nope'"):
         StaleStrategy("sync", local_steps=4, outer_optimizer="torch.optim.Nope")
     chosen = StaleStrategy("k_sync", 2, local_steps=4, outer_optimizer=NESTEROV)
@@ -203,8 +223,11 @@ def _lightning_fit(strategy, tmp_path, ckpt_path=None, **trainer_kwargs):
 def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(one_process, tmp_path):
     from lightning_stale import SimulatedStaleStrategy
 
+    from lightning_stale.delays import ShiftedExponential, Trace
+
     real = _lightning_fit(StaleStrategy("sync", local_steps=3, outer_optimizer=NESTEROV,
-                                        record_trace=False), tmp_path / "real")
+                                        delay=ShiftedExponential(shift=0.001, mean=0.001, seed=2),
+                                        record_trace=str(tmp_path / "delays.csv")), tmp_path / "real")
     simulated = _lightning_fit(SimulatedStaleStrategy("sync", num_learners=1, local_steps=3,
                                                       outer_optimizer=NESTEROV), tmp_path / "simulated")
     # max_steps=7 counts inner steps, 3 per update: both stop after ceil(7 / 3) = 3 updates
@@ -213,6 +236,8 @@ def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(
     # an epoch is one pass worth of inner steps, 4 batches: ceil(4 / 3) = 2 pushes of one learner
     assert real.strategy.stats["epochs"] == 1
     assert real.strategy.stats["pushes_per_learner"] == [3]
+    # the trace holds every mini-batch's draw: H per push
+    assert Trace(tmp_path / "delays.csv").num_recorded(0) == 9
     for a, b in zip(real.lightning_module.parameters(), simulated.lightning_module.parameters()):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
     moved = [p for p in real.lightning_module.parameters()]

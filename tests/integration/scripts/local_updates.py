@@ -18,7 +18,8 @@ RUNS = {
     "async_slow_learner": dict(variant="async", local_steps=3,
                                delay=SlowLearners(ShiftedExponential(shift=0.002, mean=0.004, seed=1),
                                                   learners=[1], factor=6)),
-    "k_batch_sync_gloo": dict(variant="k_batch_sync", k=2, local_steps=2, shared_memory=False),
+    "k_batch_sync_gloo": dict(variant="k_batch_sync", k=2, local_steps=2, shared_memory=False,
+                              delay_mode="total"),  # (the push's whole time: its sum of H draws)
     # short epochs (12 batches a learner: 8 pushes), each validated: rounds span their ends
     "async_epochs": dict(variant="async", local_steps=3),
 }
