@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from datetime import timedelta
@@ -36,11 +35,11 @@ from lightning_stale.replay.setup import DIGEST_EVERY
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.ending import RunEnding
 from lightning_stale.strategies.faults import FaultHandling, destroy_groups_at_exit, watched_launcher
+from lightning_stale.strategies.learner_rounds import LearnerRounds
 from lightning_stale.strategies.lightning_api import (
     replace_sigterm_broadcast,
     set_global_step,
 )
-from lightning_stale.strategies.local_updates import check_real_engine_local_updates
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.options import DELAY_MODES, check_launch, check_options, settle_transport
 from lightning_stale.strategies.pace import OwnPaceCollectives
@@ -54,7 +53,7 @@ log = logging.getLogger(__name__)
 _SERVER_GROUP_TIMEOUT = timedelta(days=7)  # a gloo timeout kills the connection: never hit it
 
 
-class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
+class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
 
     A drop-in for ``strategy="ddp"``: the P learners are the Trainer's processes (devices x
@@ -176,14 +175,8 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                  record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
                  local_steps: int = 1, outer_optimizer: str | dict | None = None, adaptive_h: Any = None,
                  **ddp_kwargs: Any) -> None:
-        compensation = StalenessCompensation.create(staleness_compensation)
-        self._outer = check_real_engine_local_updates(local_steps, outer_optimizer, adaptive_h, server,
-                                                      record_events, payload_channels, on_learner_failure,
-                                                      adaptive_k, compensation)
-        self.local_updates = self._outer is not None
-        self.local_steps, self.outer_optimizer, self.adaptive_h = int(local_steps), outer_optimizer, None
-        if self.local_updates:
-            server = "central"  # (the only path that takes them: "auto" chooses it)
+        server = self._init_learner_rounds(local_steps, outer_optimizer, adaptive_h, server, record_events,
+                                           payload_channels, on_learner_failure, adaptive_k, staleness_compensation)
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
                       hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
@@ -262,11 +255,7 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
         self._schedulers = self.take_over_schedulers(trainer)
-        if self.local_updates and self._schedulers:
-            raise ValueError(f"StaleStrategy with local_steps={self.local_steps} cannot run LR schedulers "
-                             f"({len(self._schedulers)} configured): each learner's inner optimizer would need "
-                             "them stepped by inner steps along the server's trajectory; use a constant "
-                             "learning rate, or SimulatedStaleStrategy for scheduled local updates")
+        self.refuse_schedulers(self._schedulers)
         # (with local updates each learner clips its inner steps' gradients, as a DDP rank does)
         self._clip = None if self.local_updates else self.take_over_clipping(trainer)
         # Lightning broadcasts rank 0's SIGTERM flag before every training batch, which would put
@@ -304,9 +293,7 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                                        clips=self._clip is not None, nodes=self.num_nodes,
                                        shared_memory=self.shared_memory and not self.payload_channels,
                                        cpu=self.root_device.type == "cpu")
-        # (with local updates max_steps counts inner steps, H per server update, as global_step does)
-        max_updates = trainer.max_steps if trainer.max_steps < 0 else math.ceil(trainer.max_steps / self.local_steps)
-        limits = ServerLimits(max_updates=max_updates, pushes_per_epoch=self._pushes_per_epoch,
+        limits = ServerLimits(max_updates=self.max_updates(trainer.max_steps), pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         overlap, self._channels = settle_transport(self, trainer, variant)
         observer = self._start_recording(trainer)
@@ -398,33 +385,6 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             trainer.should_stop = True
         self._report_metrics(trainer)
         return loss
-
-    def _local_step(self, rounds: LocalSteps, model, optimizer, closure) -> Any:
-        """One inner step of this learner's round (its own optimizer steps); the round's last
-        pushes the pseudo-gradient. ``global_step`` is H x the server updates, as on
-        `SimulatedStaleStrategy`."""
-        loss, overflow = self.compute_gradient(model, optimizer, closure)
-        trainer, learner = self.lightning_module.trainer, self._fitting
-        if loss is not None:  # (a skipped training_step is no step: the round goes on)
-            loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-            self.guarded(rounds.step, loss_value, self._batch_samples, overflow)
-            if rounds.pushed:
-                self.minibatch_times.append(learner.last_x)  # the round's time, for MiniBatchTimer
-        self._batch_samples = 0
-        self.note_dead_learners(trainer)
-        set_global_step(trainer, max(learner.version, 0) * self.local_steps)
-        if learner.stopped:
-            trainer.should_stop = True
-        return loss
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if self.local_updates and self.fitting():
-            raise ValueError(f"resuming a fit (ckpt_path={checkpoint_path!r}) with local_steps="
-                             f"{self.local_steps} is not supported on StaleStrategy: the learners' inner "
-                             "optimizer states are not saved; resume on SimulatedStaleStrategy, or start "
-                             "a new fit from the checkpoint's weights (LightningModule.load_from_checkpoint)")
-        return super().load_checkpoint(checkpoint_path, weights_only)
 
     def _report_metrics(self, trainer) -> None:
         """A plateau scheduler stepped per update reads the latest logged metrics."""
