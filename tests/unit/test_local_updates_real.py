@@ -30,11 +30,11 @@ def books_balance(stats):
                                            + stats["gradients_pending"] + stats["gradients_in_flight_at_stop"])
 
 
-def expected_pushes(run: InProcessRun, h: int) -> dict[int, torch.Tensor]:
+def expected_pushes(run: InProcessRun, h: int, buffers: bool = False) -> dict[int, torch.Tensor]:
     """By hand, every usable push's pseudo-gradient: the learner's H inner steps (its module's
     own optimizer, torch's, whose state each learner carries from its previous push) on its
-    mini-batches ``batch - H + 1 .. batch`` from the server's parameters of the push's version,
-    minus where they end."""
+    mini-batches ``batch - H + 1 .. batch`` from the server's parameters and buffers of the
+    push's version, minus where they end (with ``buffers``: the buffers where they end)."""
     expected = {}
     for learner in range(run.p):
         module = copy.deepcopy(run.module)
@@ -47,7 +47,8 @@ def expected_pushes(run: InProcessRun, h: int) -> dict[int, torch.Tensor]:
                 optimizer.zero_grad()
                 run.loss(module, run.batches(learner, batch)).backward()
                 optimizer.step()
-            expected[push.id] = start[:vectors.numel] - vectors.state_vector()[:vectors.numel]
+            end = vectors.state_vector()
+            expected[push.id] = end[vectors.numel:] if buffers else start[:vectors.numel] - end[:vectors.numel]
     return expected
 
 
@@ -89,6 +90,28 @@ def test_fully_sync_with_local_steps_averages_the_learners_rounds():
     check_outer_rule(run, h=3)
     # plain averaging: the new parameters are the mean of where the learners' rounds ended
     assert books_balance(run.stats) and run.stats["pushes_per_learner"] == [4, 4, 4]
+
+
+def test_batchnorm_buffers_go_with_the_rounds_and_are_averaged():
+    torch.manual_seed(0)
+    run = InProcessRun(um.BatchNormCNN(lr=0.05), blob_batches(image=True), "sync", p=2, max_updates=3,
+                       local_steps=3).fit()
+    check_outer_rule(run, h=3)  # each round starts from the server's buffers of its version
+    ended = expected_pushes(run, h=3, buffers=True)
+    floats = [b.is_floating_point() for b in run.server_vectors.buffers]
+    sizes = [b.numel() for b in run.server_vectors.buffers]
+    for recorded in run.updates:
+        update = recorded.update
+        pushed = torch.stack([run.pushed(g.id).buffers for g in update.gradients])
+        assert all(isclose(run.pushed(g.id).buffers, ended[g.id]) for g in update.gradients)
+        server, start = run.buffers(update.version), 0
+        for size, is_float in zip(sizes, floats):
+            part = slice(start, start + size)
+            expected = pushed[:, part].mean(0) if is_float else pushed[:, part].max(0).values
+            assert isclose(server[part], expected)
+            start += size
+    counters = [i for i, f in enumerate(floats) if not f]  # num_batches_tracked: H per update
+    assert counters and all(int(run.buffers(3)[sum(sizes[:i])]) == 9 for i in counters)
 
 
 def test_k_sync_cancels_the_stragglers_round_and_applies_a_nesterov_outer_step():

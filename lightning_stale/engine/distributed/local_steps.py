@@ -7,7 +7,8 @@ fills it). The variant's rules apply to the pushes unchanged: new parameters or 
 between two inner steps cancel the round (the learner abandons its local steps), as they cancel a
 mini-batch at its push. The inner optimizer's per-parameter state is the learner's own, kept
 from one pushed round to the next; an abandoned round's changes to it are dropped, as the
-simulated engine, which never computes cancelled work, never makes them.
+simulated engine, which never computes cancelled work, never makes them. (A round whose push
+is carried over an epoch's end keeps its changes, even where an update then cancels the push.)
 """
 
 from __future__ import annotations
