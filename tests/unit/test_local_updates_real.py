@@ -25,6 +25,13 @@ class MomentumClassifier(um.Classifier):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.8)
 
 
+class AdamWClassifier(um.Classifier):
+    """DiLoCo's inner optimizer: AdamW, its moments and step count kept per learner."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
 def books_balance(stats):
     return stats["gradients_received"] == (stats["gradients_applied"] + stats["gradients_dropped"]
                                            + stats["gradients_pending"] + stats["gradients_in_flight_at_stop"])
@@ -90,6 +97,16 @@ def test_fully_sync_with_local_steps_averages_the_learners_rounds():
     check_outer_rule(run, h=3)
     # plain averaging: the new parameters are the mean of where the learners' rounds ended
     assert books_balance(run.stats) and run.stats["pushes_per_learner"] == [4, 4, 4]
+
+
+def test_diloco_adamw_inner_steps_and_a_nesterov_outer_step_over_several_rounds():
+    torch.manual_seed(0)
+    run = InProcessRun(AdamWClassifier(), blob_batches(), "sync", p=2, max_updates=5, local_steps=4,
+                       outer_optimizer=NESTEROV).fit()
+    assert run.stats["updates"] == 5 and run.stats["pushes_per_learner"] == [5, 5]
+    check_outer_rule(run, h=4, lr=0.7, momentum=0.9, nesterov=True)  # AdamW's state chained per learner
+    steps = [int(s["step"]) for opt in run.inner_optimizers for s in opt.state.values()]
+    assert steps and all(step >= 16 for step in steps)  # its step count went on across rounds
 
 
 def test_batchnorm_buffers_go_with_the_rounds_and_are_averaged():
