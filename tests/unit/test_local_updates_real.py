@@ -182,6 +182,16 @@ def test_async_local_rounds_are_applied_stale_and_the_books_balance():
     assert sum(stats["pushes_per_learner"]) == len(run.pushes) == stats["gradients_received"]
 
 
+def test_k_async_waits_for_k_rounds_of_different_learners_and_lets_the_rest_go_on():
+    torch.manual_seed(0)
+    run = InProcessRun(MomentumClassifier(lr=0.05), blob_batches(), "k_async", p=3, k=2,
+                       delays={0: 0.003, 1: 0.006, 2: 0.04}, max_updates=12, local_steps=2).fit()
+    assert all(len({g.learner for g in u.update.gradients}) == 2 for u in run.updates)
+    assert any(max(u.update.staleness) >= 1 for u in run.updates)  # the slow learner's round, late
+    check_outer_rule(run, h=2)
+    assert books_balance(run.stats)
+
+
 def test_k_batch_async_weighs_stale_rounds_by_inverse_staleness():
     torch.manual_seed(0)
     run = InProcessRun(um.Classifier(lr=0.05), blob_batches(), "k_batch_async", p=3, k=2,
