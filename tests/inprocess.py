@@ -28,12 +28,14 @@ from torch.nn import functional as F
 
 from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed.learner import Learner
+from lightning_stale.engine.distributed.local_steps import LocalSteps
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.distributed.paths.central.path import CentralExchange, CentralPayloads
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
+from lightning_stale.strategies.local_updates import outer_optimizer_factory, plain_averaging
 
 LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these to a learner
 TIMEOUT_S = 30.0  # a learner or the server stuck this long fails the test instead of hanging it
@@ -160,6 +162,10 @@ class InProcessRun:
     max_batches: int = 200  # per learner: leaves (a BYE ends training) if no stop came first
     compensation: str | None = None
     loss: object = classification_loss
+    # local updates: H inner steps of the module's optimizer per push, and the outer optimizer
+    # (`strategies.local_updates.outer_optimizer_factory`'s spec; None: plain averaging)
+    local_steps: int = 1
+    outer_optimizer: object = None
 
     def __post_init__(self) -> None:
         self.pushes: list[RecordedPush] = []
@@ -168,6 +174,8 @@ class InProcessRun:
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._received = 0
+        # per learner: (first mini-batch, version) of each round of local updates it started
+        self.round_starts: dict[int, list[tuple[int, int]]] = {r: [] for r in range(self.p)}
 
     # ------------------------------------------------------------------ wiring
     def received(self, message: Message, batch: int) -> None:
@@ -186,7 +194,11 @@ class InProcessRun:
         variant = Variant.create(self.variant, self.p, self.k)
         server_module = copy.deepcopy(self.module)
         optimizer = server_module.configure_optimizers()
-        state = ServerState(server_module, optimizer)
+        self.local = self.local_steps > 1 or self.outer_optimizer is not None
+        outer = None
+        if self.local:
+            outer = outer_optimizer_factory(self.outer_optimizer) or plain_averaging()
+        state = ServerState(server_module, optimizer, outer=outer, steps_per_update=self.local_steps)
         compensation = StalenessCompensation.create(self.compensation)
         self.core = ServerCore(variant, state, ServerLimits(max_updates=self.max_updates),
                                compensation=compensation, clock=time.monotonic())
@@ -197,8 +209,12 @@ class InProcessRun:
         self.modules = [copy.deepcopy(self.module) for _ in range(self.p)]
         delays = Delays(self.delays)
         vectors = [ModelVectors.of(m) for m in self.modules]
-        self.learners = [Learner(e, v, delays, exchange=CentralExchange(v), waits_for_answer=variant.pusher_needs_answer)
+        self.learners = [Learner(e, v, delays, exchange=CentralExchange(v, local=self.local),
+                                 waits_for_answer=variant.pusher_needs_answer)
                          for e, v in zip(self.endpoints, vectors)]
+        self.inner_optimizers = [m.configure_optimizers() for m in self.modules]
+        self.rounds = [LocalSteps(learner, opt, self.local_steps) if self.local else None
+                       for learner, opt in zip(self.learners, self.inner_optimizers)]
         self.server_endpoint = QueueServerEndpoint(self.endpoints)
         self.server.start(self.server_endpoint)
         threads = [threading.Thread(target=self._learn, args=(r,), daemon=True, name=f"inprocess-learner-{r}")
@@ -222,15 +238,23 @@ class InProcessRun:
         try:
             module.train()
             learner.wait_for_parameters()
+            rounds = self.rounds[rank]
             for i in range(self.max_batches):
                 if learner.stopped:
                     break
+                if rounds is not None:
+                    rounds.begin()
+                    if rounds.round is not None and rounds.round.done == 0:
+                        self.round_starts[rank].append((i, learner.version))
                 module.zero_grad()
                 batch = self.batches(rank, i)
                 loss = self.loss(module, batch)
                 loss.backward()
                 endpoint.batch = i
-                learner.step(loss.item(), len(batch[1]), time.monotonic())
+                if rounds is not None:
+                    rounds.step(loss.item(), len(batch[1]))
+                else:
+                    learner.step(loss.item(), len(batch[1]), time.monotonic())
             learner.close(TIMEOUT_S)
         except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
             self.errors.append(exc)

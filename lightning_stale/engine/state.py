@@ -203,6 +203,7 @@ class ServerState:
             raise ValueError(f"the optimizer holds {len(foreign)} trainable tensor(s) that are not "
                              "parameters of the LightningModule; learners push the module's "
                              "gradients only: register them as module parameters (nn.Parameter)")
+        self.outer = outer is not None  # the contributions are pseudo-gradients
         if outer is not None:
             # The inner optimizer's schedules are its own: not copied into the outer optimizer.
             self.optimizer = outer(self.params)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import math
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,8 +29,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_stale.engine.local_round import (  # noqa: F401 - shared with the real engine
+    LocalRound,
+    cloned_state,
+    give_inner_state,
+    optimizer_params,
+    take_inner_state,
+)
 from lightning_stale.engine.simulated import SimulatedServer
-from lightning_stale.engine.state import Contribution, ModelVectors
 from lightning_stale.method.adaptive import AdaptiveH
 from lightning_stale.method.local import check_local_steps
 from lightning_stale.method.virtual_clock import Finish
@@ -41,14 +46,41 @@ OuterFactory = Callable[[Sequence[Tensor]], Optimizer]
 PLAIN_AVERAGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}
 
 
-def refuse_on_real_engine(local_steps: Any, adaptive_h: Any = None) -> None:
-    """`StaleStrategy`'s check: H = 1 only, until its engine takes local steps."""
-    if check_local_steps(local_steps) != 1:
-        raise ValueError(f"local_steps={local_steps}: local updates run on SimulatedStaleStrategy "
-                         "for now; StaleStrategy takes local_steps=1 (a push per step)")
+def check_real_engine_local_updates(local_steps: Any, outer_optimizer: Any, adaptive_h: Any, server: str,
+                                    record_events: Any, payload_channels: bool, on_learner_failure: str = "stop",
+                                    adaptive_k: Any = None, compensation: Any = None) -> OuterFactory | None:
+    """`StaleStrategy`'s checks of its local-update options; returns the outer optimizer's
+    factory for this run (None: no local updates). Local updates run on the central path only;
+    the collective and sharded paths, AdaComm's adaptive H, event logs, device channels, and (not
+    yet tested with them on the real engine) surviving dead learners, AdaSync's adaptive K and
+    the "norm" compensation are refused with them, naming what to use instead."""
+    h = check_local_steps(local_steps)
+    outer = outer_optimizer_factory(outer_optimizer)
     if adaptive_h is not None:
-        raise ValueError(f"adaptive_h={adaptive_h!r}: AdaComm's adaptive H runs with local updates "
-                         "on SimulatedStaleStrategy for now; StaleStrategy takes adaptive_h=None")
+        raise ValueError(f"adaptive_h={adaptive_h!r}: AdaComm's adaptive H runs with local updates on "
+                         "SimulatedStaleStrategy only; StaleStrategy takes adaptive_h=None (a fixed local_steps)")
+    if h == 1 and outer is None:
+        return None
+    given = f"local_steps={h}" + ("" if outer is None else " with an outer_optimizer")
+    if server not in ("central", "auto"):
+        raise ValueError(f"server={server!r} with {given}: local updates run on the central path on "
+                         "StaleStrategy; use server='central' (or 'auto'), or SimulatedStaleStrategy")
+    if record_events:
+        raise ValueError(f"record_events={record_events!r} cannot go with local updates ({given}): an "
+                         "event log holds one mini-batch per push; use record_events=False")
+    if payload_channels:
+        raise ValueError(f"payload_channels=True with local updates ({given}): pseudo-gradients travel "
+                         "through host memory; use payload_channels=False")
+    if on_learner_failure != "stop":
+        raise ValueError(f"on_learner_failure={on_learner_failure!r} with local updates ({given}) is not "
+                         "supported on StaleStrategy yet; use on_learner_failure='stop'")
+    if adaptive_k is not None:
+        raise ValueError(f"adaptive_k={adaptive_k!r} with local updates ({given}) is not supported on "
+                         "StaleStrategy yet; use a fixed k, or SimulatedStaleStrategy")
+    if compensation is not None and getattr(compensation, "needs_parameters", False):
+        raise ValueError(f"staleness_compensation={compensation!r} with local updates ({given}) is not "
+                         "supported on StaleStrategy yet; use 'inverse', or SimulatedStaleStrategy")
+    return outer or plain_averaging()
 
 
 def outer_optimizer_factory(spec: Any) -> OuterFactory | None:
@@ -102,82 +134,6 @@ def _import_optimizer(class_path: str) -> type:
         raise ValueError(f"outer_optimizer class_path {class_path!r} names no torch.optim.Optimizer "
                          "class; give e.g. 'torch.optim.SGD'")
     return found
-
-
-# ------------------------------------------------------------------ inner optimizer states
-def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def take_inner_state(optimizer: Optimizer) -> list[dict | None]:
-    """Remove the per-parameter state (momentum, moments, step counts) from ``optimizer`` and
-    return it, one entry per parameter in group order (None: no state yet)."""
-    return [optimizer.state.pop(p, None) for p in optimizer_params(optimizer)]
-
-
-def give_inner_state(optimizer: Optimizer, states: Sequence[dict | None] | None) -> None:
-    """Make ``states`` (from `take_inner_state`; None: a fresh learner) the optimizer's state."""
-    optimizer.state.clear()
-    if states is None:
-        return
-    for param, state in zip(optimizer_params(optimizer), states):
-        if state is not None:
-            optimizer.state[param] = state
-
-
-def cloned_state(states: Sequence[dict | None] | None) -> list[dict | None] | None:
-    """A copy of `take_inner_state`'s result whose tensors the inner steps may change in place
-    while the stored one stays as it was (a checkpoint taken in the middle of a round)."""
-    if states is None:
-        return None
-    return [None if s is None else {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
-                                    for k, v in s.items()} for s in states]
-
-
-class LocalRound:
-    """One simulated learner's H inner steps between two pushes.
-
-    Args:
-        finish: the learner's `Finish` on the virtual clock (its push at the round's end).
-        local_steps: H.
-        optimizer: the module's optimizer, which takes this learner's inner state now.
-        state: that state (`take_inner_state` of its previous round), None for a fresh one.
-    """
-
-    def __init__(self, finish: Any, local_steps: int, optimizer: Optimizer,
-                 state: Sequence[dict | None] | None) -> None:
-        self.finish, self.local_steps = finish, local_steps
-        self.done = 0
-        self.losses: list[float] = []
-        self.present: Tensor | None = None  # which parameters got a gradient in some step
-        self.paused: Tensor | None = None  # the learner's parameters while validation runs
-        give_inner_state(optimizer, cloned_state(state))
-
-    def step(self, optimizer: Optimizer, params: Sequence[Tensor], loss: float, overflow: bool) -> bool:
-        """One inner step on the gradients just computed (skipped on an overflow, as a grad
-        scaler skips it, but counted); returns whether the round is complete."""
-        seen = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
-        self.present = seen if self.present is None else self.present | seen
-        if not overflow:
-            optimizer.step()
-        self.done += 1
-        self.losses.append(loss)
-        return self.done >= self.local_steps
-
-    @property
-    def loss(self) -> float:
-        """The mean loss of the round's mini-batches (the push's loss)."""
-        return math.fsum(self.losses) / len(self.losses)
-
-    def contribution(self, vectors: ModelVectors, pulled: Tensor) -> Contribution:
-        """The push: the pseudo-gradient (``pulled`` minus the learner's current parameters), the
-        learner's buffers and, where some parameter got no gradient in the whole round, which
-        ones did (the outer optimizer leaves the others alone, as the inner one did)."""
-        current = vectors.state_vector()
-        pseudo = pulled[:vectors.numel] - current[:vectors.numel]
-        buffers = current[vectors.numel:] if vectors.buffers else None
-        present = None if self.present is None or bool(self.present.all()) else self.present
-        return Contribution(pseudo, buffers, present)
 
 
 # ------------------------------------------------------------------ the simulated strategy's rounds

@@ -30,8 +30,8 @@ def check_trainer_options(strategy: Any, trainer: Any) -> None:
 
 
 def independent_sampler(dataloader: DataLoader, seed: int, rank: int, p: int,
-                        limit_train_batches: int | float, accumulate_grad_batches: int
-                        ) -> tuple[IndependentBatchSampler, int]:
+                        limit_train_batches: int | float, accumulate_grad_batches: int,
+                        local_steps: int = 1) -> tuple[IndependentBatchSampler, int]:
     """This learner's sampler for a training ``dataloader``, and the pushes of one epoch
     (`pushes_per_epoch`); refuses loaders it cannot draw from independently."""
     if isinstance(dataloader.dataset, IterableDataset):
@@ -42,20 +42,22 @@ def independent_sampler(dataloader: DataLoader, seed: int, rank: int, p: int,
         raise ValueError("StaleStrategy needs a training DataLoader with a batch_size")
     n = len(cast(Sized, dataloader.dataset))  # (a map-style dataset: checked above)
     pushes = pushes_per_epoch(n, batch_size, dataloader.drop_last, p, limit_train_batches,
-                              accumulate_grad_batches)
+                              accumulate_grad_batches, local_steps)
     return IndependentBatchSampler(n, batch_size, seed, rank), pushes
 
 
 def pushes_per_epoch(num_samples: int, batch_size: int, drop_last: bool, p: int,
-                     limit_train_batches: int | float, accumulate_grad_batches: int) -> int:
+                     limit_train_batches: int | float, accumulate_grad_batches: int,
+                     local_steps: int = 1) -> int:
     """One pass worth of pushes by all learners together: P times the optimizer steps a DDP rank
     makes per epoch (its 1/P shard in mini-batches, cut by ``limit_train_batches`` as Lightning
-    cuts it: an int caps the batches, a float is a fraction of them)."""
+    cuts it: an int caps the batches, a float is a fraction of them), divided by H = ``local_steps``
+    with local updates (a push ends H optimizer steps)."""
     shard = math.ceil(num_samples / p)
     batches = shard // batch_size if drop_last else math.ceil(shard / batch_size)
     limit = limit_train_batches
     batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
-    return p * max(1, math.ceil(batches / accumulate_grad_batches))
+    return p * max(1, math.ceil(batches / accumulate_grad_batches / local_steps))
 
 
 class IndependentBatchSampler:

@@ -19,6 +19,7 @@ from lightning_stale.engine.core import ServerCore, ServerLimits
 from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.channels import close_channels
 from lightning_stale.engine.distributed.learner import Learner
+from lightning_stale.engine.distributed.local_steps import LocalSteps
 from lightning_stale.engine.distributed.paths.base import CheckpointPart, CheckpointView, LearnerSide
 from lightning_stale.engine.distributed.paths.registry import (
     check_path,
@@ -34,11 +35,11 @@ from lightning_stale.replay.setup import DIGEST_EVERY
 from lightning_stale.strategies.base import ServerStrategyMixin
 from lightning_stale.strategies.ending import RunEnding
 from lightning_stale.strategies.faults import FaultHandling, destroy_groups_at_exit, watched_launcher
+from lightning_stale.strategies.learner_rounds import LearnerRounds
 from lightning_stale.strategies.lightning_api import (
     replace_sigterm_broadcast,
     set_global_step,
 )
-from lightning_stale.strategies.local_updates import refuse_on_real_engine
 from lightning_stale.strategies.namespaces import register_everywhere
 from lightning_stale.strategies.options import DELAY_MODES, check_launch, check_options, settle_transport
 from lightning_stale.strategies.pace import OwnPaceCollectives
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 _SERVER_GROUP_TIMEOUT = timedelta(days=7)  # a gloo timeout kills the connection: never hit it
 
 
-class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
+class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, OwnPaceCollectives, ServerStrategyMixin):
     """Runs one of the six variants of Dutta et al. (AISTATS 2018) with a real parameter server.
 
     A drop-in for ``strategy="ddp"``: the P learners are the Trainer's processes (devices x
@@ -123,9 +124,17 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             micro-batch per push, no gradient scaler, and no ``on_after_backward`` or
             ``on_before_optimizer_step`` override in the module or a callback (which may change
             the gradients). ``trainer.strategy.overlapped_updates`` counts such updates.
-        local_steps: 1 only (a push per step); local updates run on `SimulatedStaleStrategy`
-            for now (docs/how-to/local-updates.md).
-        adaptive_h: None only; AdaComm's adaptive H runs on `SimulatedStaleStrategy` for now.
+        local_steps: H, local updates (docs/how-to/local-updates.md, central path only): each
+            learner takes H steps of the module's optimizer (its own state, kept from one pushed
+            round to the next) from the parameters it took, then pushes the pseudo-gradient,
+            those parameters minus its current ones; its injected delay is the sum of H draws.
+            New parameters or the stop arriving between two inner steps cancel the round. 1
+            (the default): a push per step, the paper's method.
+        outer_optimizer: how the server applies an update's averaged pseudo-gradients: None for
+            plain averaging (SGD, lr 1, no momentum), or a class path and its arguments,
+            ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9,
+            "nesterov": True}}`` (DiLoCo). Given, it makes local updates even with H = 1.
+        adaptive_h: None only; AdaComm's adaptive H runs on `SimulatedStaleStrategy`.
         **ddp_kwargs: `DDPStrategy`'s accelerator, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin, process_group_backend, timeout, start_method.
 
@@ -139,6 +148,16 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
     SIGTERM or SIGINT on any process stops every learner through the goodbye protocol, then
     raises `RunInterrupted` on every process (docs: how-to/faults.md). ``trainer.strategy.stats``
     on global rank 0 holds the server's counters (after a failure, those at the failure).
+
+    With local updates, one Lightning training step is one inner step of this learner, and
+    ``trainer.global_step`` is H x the server updates its parameters come from: ``max_steps``
+    and ``estimated_stepping_batches`` count inner steps (the server stops after
+    ceil(max_steps / H) updates), as on `SimulatedStaleStrategy` and under DDP with model
+    averaging; gradient clipping applies to each inner step. Refused with them, naming what to
+    use instead: the collective and sharded paths, ``adaptive_h``, ``record_events``,
+    ``payload_channels``, ``on_learner_failure="continue"``, ``adaptive_k`` and the "norm"
+    compensation (at construction), LR schedulers (at setup), and resuming a fit with
+    ``ckpt_path`` (the learners' inner states are not saved).
     """
 
     strategy_name = "stale"
@@ -154,8 +173,10 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                  shutdown_timeout: float = 60.0, hold_freed_memory: bool = True, shared_memory: bool = True,
                  overlap_allreduce: bool | None = None, payload_channels: bool = False,
                  record_events: bool | str | os.PathLike = False, digest_every: int = DIGEST_EVERY,
-                 local_steps: int = 1, adaptive_h: Any = None, **ddp_kwargs: Any) -> None:
-        refuse_on_real_engine(local_steps, adaptive_h)  # local updates: SimulatedStaleStrategy for now
+                 local_steps: int = 1, outer_optimizer: str | dict | None = None, adaptive_h: Any = None,
+                 **ddp_kwargs: Any) -> None:
+        server = self._init_learner_rounds(local_steps, outer_optimizer, adaptive_h, server, record_events,
+                                           payload_channels, on_learner_failure, adaptive_k, staleness_compensation)
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
                       hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
@@ -175,6 +196,7 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
         self._server_group = None
         self._server: ParameterServer | None = None
         self._learner: Learner | None = None
+        self._rounds: LocalSteps | None = None  # this rank's rounds of local updates
         self._side: LearnerSide | None = None  # this rank's learner side (its stats outlive the learner)
         self._checkpoint: CheckpointPart | None = None  # on rank 0, the path's part of a checkpoint
         self._samplers: list[IndependentBatchSampler] = []
@@ -233,7 +255,9 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
         self._server_group = (dist.new_group(backend="gloo", timeout=_SERVER_GROUP_TIMEOUT)
                               if self.world_size > 1 else None)
         self._schedulers = self.take_over_schedulers(trainer)
-        self._clip = self.take_over_clipping(trainer)
+        self.refuse_schedulers(self._schedulers)
+        # (with local updates each learner clips its inner steps' gradients, as a DDP rank does)
+        self._clip = None if self.local_updates else self.take_over_clipping(trainer)
         # Lightning broadcasts rank 0's SIGTERM flag before every training batch, which would put
         # learners in lock-step; signals are the server's business here (see faults.py).
         self._undo.append(replace_sigterm_broadcast(trainer.fit_loop.epoch_loop, lambda: None))
@@ -250,7 +274,7 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             return dataloader
         sampler, self._pushes_per_epoch = independent_sampler(
             dataloader, self.seed, self.global_rank, self.num_learners, self._limit_train_batches,
-            trainer.accumulate_grad_batches)
+            trainer.accumulate_grad_batches, self.local_steps)
         self._note_draws(sampler)
         self._samplers.append(sampler)
         return sampler.loader(dataloader)
@@ -269,7 +293,7 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                                        clips=self._clip is not None, nodes=self.num_nodes,
                                        shared_memory=self.shared_memory and not self.payload_channels,
                                        cpu=self.root_device.type == "cpu")
-        limits = ServerLimits(max_updates=trainer.max_steps, pushes_per_epoch=self._pushes_per_epoch,
+        limits = ServerLimits(max_updates=self.max_updates(trainer.max_steps), pushes_per_epoch=self._pushes_per_epoch,
                               max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         overlap, self._channels = settle_transport(self, trainer, variant)
         observer = self._start_recording(trainer)
@@ -277,11 +301,13 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
                               on_learner_failure=self.on_learner_failure, server_timeout=self.server_timeout,
                               compensation=self.staleness_compensation, adaptive=self._adaptive, overlap=overlap,
                               shared_memory=self.shared_memory, shutdown_timeout=self.shutdown_timeout,
-                              channels=self._channels, timeout=self._timeout, observer=observer)
+                              channels=self._channels, timeout=self._timeout, observer=observer,
+                              local_steps=self.local_steps, outer=self._outer)
         learner, self._server, self._channel_ends = build_rank(
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
         self._learner, self._resume, self._side = learner, None, learner.exchange
+        self._rounds = LocalSteps(learner, self.optimizers[0], self.local_steps) if self.local_updates else None
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
         self._checkpoint = None if self._server is None else path_named(self.path).checkpoint(CheckpointView(
             self._server, self.lightning_module, optimizer=lambda: self.optimizers[0], learner=lambda: self._learner,
@@ -310,6 +336,8 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
             if schedules is not None:
                 schedules.end_epoch(self._epoch - 1, metrics)
             self.guarded(self._fitting.resume)
+        if first_micro_batch and self._rounds is not None:
+            self._rounds.begin()  # a round starts from the parameters taken, or goes on
         if first_micro_batch:
             self._batch_started = time.monotonic()
             with torch.no_grad():  # (into the storage allocated with the learner)
@@ -326,6 +354,8 @@ class StaleStrategy(EventRecording, RunEnding, FaultHandling, OwnPaceCollectives
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         # A push; the learner's own optimizer never steps: the server's does.
         model = model if model is not None else self.lightning_module
+        if self._rounds is not None:
+            return self._local_step(self._rounds, model, optimizer, closure)
         loss, overflow = self.compute_gradient(model, optimizer, closure)
         trainer, learner = self.lightning_module.trainer, self._fitting
         if loss is not None:

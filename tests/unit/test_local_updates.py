@@ -369,10 +369,11 @@ def test_local_updates_refuse_event_logs():
         SimulatedStaleStrategy("sync", num_learners=2, local_steps=2, record_events=True)
 
 
-def test_stale_strategy_takes_one_local_step_only():
+def test_stale_strategy_takes_local_steps_on_the_central_path_only():
     assert StaleStrategy("sync", local_steps=1).local_steps == 1
-    with pytest.raises(ValueError, match="local_steps=4: local updates run on SimulatedStaleStrategy"):
-        StaleStrategy("sync", local_steps=4)
+    assert StaleStrategy("sync", local_steps=4).server == "central"  # (tests/unit/test_local_updates_real.py)
+    with pytest.raises(ValueError, match="server='sharded' with local_steps=4: local updates run on the central path"):
+        StaleStrategy("sync", local_steps=4, server="sharded")
     with pytest.raises(ValueError, match=r"local_steps must be an integer >= 1.*got 0"):
         StaleStrategy("sync", local_steps=0)
 

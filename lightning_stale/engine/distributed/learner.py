@@ -45,6 +45,7 @@ class Learner:
         self.stop_requested = False  # this learner asked the server to stop (`request_stop`)
         self.cancelled = 0  # mini-batches computed and never pushed
         self.delays: list[float] = []
+        self.draws_per_push = 1  # delays drawn per push: H with local updates (one per mini-batch)
         self.pushes = 0
         self.last_x = math.nan  # the latest pushed mini-batch's time X, as the server saw it
         self.paused_at: float | None = None  # when the server's epoch's end paused this learner
@@ -247,6 +248,20 @@ class Learner:
             return True
         return self._delay_and_push(Carried(push))
 
+    def between_inner_steps(self) -> bool:
+        """Between two inner steps of a round of local updates: take the server's messages; True
+        where they cancel the round (new parameters or the stop, as they cancel a mini-batch at
+        its push; counted as cancelled work). An epoch's end pauses it: the round goes on after."""
+        if self.stopped:
+            return True
+        if self.paused_at is not None:
+            return False
+        events = self._absorb(self._drain())
+        if events.interrupts:
+            self.cancelled += 1
+            return True
+        return False
+
     def _send(self, message: Message) -> None:
         """Send to the server; a broken connection fails the run, named as the receiver names it."""
         try:
@@ -264,9 +279,10 @@ class Learner:
 
     def _delay_and_push(self, work: Carried) -> bool:
         if self.delay is not None:
-            if work.delay is None:
-                work.delay = self.delay.sample(self.rank)
-                self.delays.append(work.delay)
+            if work.delay is None:  # (with local updates, a push's time is the sum of H draws)
+                draws = [self.delay.sample(self.rank) for _ in range(self.draws_per_push)]
+                self.delays.extend(draws)
+                work.delay = sum(draws)
             remaining = self.clock.remaining(work.delay) if self.clock.total else work.delay - work.waited
             began = time.monotonic()
             events = self._absorb(self._wait(max(0.0, remaining)))  # interruptible

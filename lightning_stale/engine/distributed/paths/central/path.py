@@ -22,24 +22,36 @@ from lightning_stale.engine.distributed.paths.base import (
     ServerPath,
     ServerSide,
 )
+from lightning_stale.engine.local_round import pseudo_gradient_push
 from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.rules import Decision
 
 
 class CentralExchange(LearnerSide):
-    """A learner meets a server holding the parameters: gradients go, parameters come."""
+    """A learner meets a server holding the parameters: gradients go, parameters come. With
+    ``local`` updates (docs/how-to/local-updates.md) a push carries the pseudo-gradient of the
+    learner's round instead: ``pulled`` (the parameters and buffers last taken) minus its own,
+    ``present`` the round's parameters that got a gradient (`local_steps.LocalSteps` sets it)."""
 
     def __init__(self, vectors: ModelVectors,
                  buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, local: bool = False) -> None:
         self.vectors, self.buffer, self.device = vectors, buffer, device
+        self.local = local
+        self.pulled: torch.Tensor | None = None
+        self.present: torch.Tensor | None = None
 
     def fill_push(self, message: Message) -> None:
         """The gradient, packed straight into shared memory where ``buffer`` offers a place."""
         buffer, dtype = self.buffer, self.vectors.dtype
         place = None if buffer is None else (lambda numel: buffer(numel, dtype))
-        message.payload, masked = self.vectors.push_vector(device=self.device, out=place)
+        if self.local:
+            assert self.pulled is not None, "a round starts from the parameters taken"
+            message.payload, masked = pseudo_gradient_push(self.vectors, self.pulled, self.present,
+                                                           device=self.device, out=place)
+        else:
+            message.payload, masked = self.vectors.push_vector(device=self.device, out=place)
         message.ready = streams.mark(message.payload)  # on a GPU: the server reads it on its stream
         if masked:
             message.flags |= Flag.MASKED
@@ -50,6 +62,8 @@ class CentralExchange(LearnerSide):
             message.lent.use(self.vectors.load_state)
         elif message.payload is not None:
             self.vectors.load_state(message.payload)
+        if self.local:  # where the next round starts (a copy: the module's change in place)
+            self.pulled = self.vectors.state_vector(device=self.vectors.device)
 
 
 class CentralPayloads(ServerSide):
@@ -107,16 +121,18 @@ class CentralPath(ServerPath):
         return [pair for learner in range(1, p) for pair in ((learner, 0), (0, learner))]
 
     def build(self, ctx: RankContext) -> RankParts:
-        vectors, channels = ctx.vectors, ctx.channels
+        vectors, channels, options = ctx.vectors, ctx.channels, ctx.options
+        local = options.outer is not None  # local updates: pushes carry pseudo-gradients
         if ctx.rank != 0:
             on_host = not channels  # (device channels: the payloads stay on the device)
-            return RankParts(lambda endpoint: CentralExchange(vectors, endpoint.push_buffer) if on_host
-                             else CentralExchange(vectors, device=vectors.device))
+            return RankParts(lambda endpoint: CentralExchange(vectors, endpoint.push_buffer, local=local)
+                             if on_host else CentralExchange(vectors, device=vectors.device, local=local))
         # Rank 0's pushes stay on the device, beside the server; so do those on device channels.
         on_device = frozenset({0, *(dst for src, dst in channels if src == 0)})
-        return RankParts(lambda endpoint: CentralExchange(vectors, device=vectors.device),
+        return RankParts(lambda endpoint: CentralExchange(vectors, device=vectors.device, local=local),
                          CentralPayloads(vectors, on_device=on_device),
-                         ServerState(ctx.module, ctx.optimizer, ctx.schedulers, clip=ctx.clip))
+                         ServerState(ctx.module, ctx.optimizer, ctx.schedulers, clip=ctx.clip,
+                                     outer=options.outer, steps_per_update=options.local_steps))
 
     def checkpoint(self, view: CheckpointView) -> CheckpointPart:
         return CentralCheckpoint(view)
@@ -130,10 +146,16 @@ class CentralCheckpoint(CheckpointPart):
         server: Any = self.view.server
         with server.reading():
             state = server.core.state
+            if state.outer:  # local updates: the slot holds the inner optimizer's, as on the simulated engine
+                books = {**copy.deepcopy(server.core.state_dict()),
+                         "outer_optimizer": copy.deepcopy(state.optimizer.state_dict())}
+                return (state.named_state(self.view.module), copy.deepcopy(self.view.optimizer().state_dict()),
+                        books)
             return (state.named_state(self.view.module), copy.deepcopy(state.optimizer.state_dict()),
                     copy.deepcopy(server.core.state_dict()))
 
     def finish(self) -> None:
         server = self.view.server
         with server.reading():
-            self.view.optimizer().load_state_dict(server.core.state.optimizer.state_dict())
+            if not server.core.state.outer:  # (with local updates rank 0 keeps its inner optimizer's)
+                self.view.optimizer().load_state_dict(server.core.state.optimizer.state_dict())

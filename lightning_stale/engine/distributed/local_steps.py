@@ -1,0 +1,81 @@
+"""A real learner's rounds of local updates (docs/how-to/local-updates.md; local SGD: Wang and
+Joshi, "Cooperative SGD", JMLR 2021; DiLoCo: Douillard et al. 2023).
+
+A round is H steps of the module's own optimizer (the inner optimizer) from the parameters the
+learner last took, ended by one push of the pseudo-gradient (`CentralExchange` with ``local``
+fills it). The variant's rules apply to the pushes unchanged: new parameters or the stop arriving
+between two inner steps cancel the round (the learner abandons its local steps), as they cancel a
+mini-batch at its push. The inner optimizer's per-parameter state is the learner's own, kept
+from one pushed round to the next; an abandoned round's changes to it are dropped, as the
+simulated engine, which never computes cancelled work, never makes them. (A round whose push
+is carried over an epoch's end keeps its changes, even where an update then cancels the push.)
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch.optim import Optimizer
+
+from lightning_stale.engine.distributed.learner import Learner
+from lightning_stale.engine.local_round import LocalRound, cloned_state, give_inner_state, optimizer_params
+
+
+class LocalSteps:
+    """The rounds of ``learner`` (its exchange a local `CentralExchange`) with ``optimizer``, the
+    module's; call `begin` before each inner step's forward and `step` after its backward."""
+
+    def __init__(self, learner: Learner, optimizer: Optimizer, local_steps: int) -> None:
+        self.learner, self.optimizer, self.local_steps = learner, optimizer, local_steps
+        learner.draws_per_push = local_steps  # a push's time is that of its H mini-batches
+        self.round: LocalRound | None = None
+        self.state: list | None = None  # the inner optimizer's state after the last pushed round
+        self.version = -1  # the server version the round started from
+        self.samples, self.started_at = 0, 0.0
+        self.pushed = False  # whether the latest `step` ended a round with a push
+
+    def begin(self) -> None:
+        """Start a round where none runs, from the parameters and buffers last taken. A round
+        whose parameters were replaced meanwhile (new ones taken when an epoch's pause ended)
+        is abandoned first."""
+        learner = self.learner
+        if self.round is not None and learner.version != self.version:
+            learner.cancelled += 1
+            self._abandon()
+        if self.round is None:
+            pulled = getattr(learner.exchange, "pulled", None)
+            assert pulled is not None, "local updates start from the parameters the learner took"
+            learner.vectors.load_state(pulled)
+            self.round = LocalRound(None, self.local_steps, self.optimizer, self.state)
+            self.version, self.samples, self.started_at = learner.version, 0, time.monotonic()
+
+    def step(self, loss: float, samples: int, overflow: bool = False) -> bool:
+        """One inner step on the gradients just computed (skipped on an overflow, but counted);
+        the round's last pushes its pseudo-gradient. Returns whether the round ended (pushed,
+        or cancelled: `pushed` says which)."""
+        round_, learner = self.round, self.learner
+        assert round_ is not None, "begin() starts the round"
+        self.samples += samples
+        self.pushed = False
+        if not round_.step(self.optimizer, learner.vectors.params, loss, overflow):
+            if learner.between_inner_steps():
+                self._abandon()
+                return True
+            return False
+        self.round = None
+        # (a copy: the optimizer keeps its own, which a checkpoint between rounds saves)
+        state = cloned_state([self.optimizer.state.get(p) for p in optimizer_params(self.optimizer)])
+        learner.exchange.present = round_.present  # type: ignore[attr-defined]
+        cancelled, pushes = learner.cancelled, learner.pushes
+        learner.step(round_.loss, self.samples, self.started_at)
+        if learner.cancelled == cancelled:  # pushed, or carried over an epoch's end to be pushed
+            self.state = state
+        if learner.cancelled != cancelled:
+            give_inner_state(self.optimizer, cloned_state(self.state))
+        self.pushed = learner.pushes > pushes
+        return True
+
+    def _abandon(self) -> None:
+        """Drop the round and what it did to the inner optimizer's state."""
+        self.round = None
+        give_inner_state(self.optimizer, cloned_state(self.state))

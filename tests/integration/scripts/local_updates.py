@@ -1,0 +1,48 @@
+"""Local updates through StaleStrategy's central path on 2 CPU processes (learner 1 pushes its
+pseudo-gradients through shared memory, then over gloo), one launch for every fit."""
+
+import pytorch_lightning as pl
+import torch
+
+from common import QUIET, CaptureRecords, summary, write_results
+from lightning_stale import StaleStrategy
+from lightning_stale.data import DigitsDataModule
+from lightning_stale.delays import ShiftedExponential, SlowLearners
+from lightning_stale.models import MLP, Classifier
+
+torch.set_num_threads(1)
+DILOCO = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+RUNS = {
+    # (a model of 90k values: its pushes exceed a header's frame, so learner 1's take a lane)
+    "sync_diloco": dict(variant="sync", local_steps=4, outer_optimizer=DILOCO),
+    "async_slow_learner": dict(variant="async", local_steps=3,
+                               delay=SlowLearners(ShiftedExponential(shift=0.002, mean=0.004, seed=1),
+                                                  learners=[1], factor=6)),
+    "k_batch_sync_gloo": dict(variant="k_batch_sync", k=2, local_steps=2, shared_memory=False,
+                              delay_mode="total"),  # (the push's whole time: its sum of H draws)
+    # short epochs (12 batches a learner: 8 pushes), each validated: rounds span their ends
+    "async_epochs": dict(variant="async", local_steps=3),
+}
+TRAINER = {"async_epochs": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60)}
+results = {}
+trainer = None
+for name, options in RUNS.items():
+    pl.seed_everything(0)
+    dm = DigitsDataModule(batch_size=16)
+    hidden = (1200,) if name == "sync_diloco" else (64,)
+    model = Classifier(MLP(dm.input_shape, dm.num_classes, hidden), lr=0.1)
+    capture = CaptureRecords()
+    options = {"delay": ShiftedExponential(shift=0.001, mean=0.002, seed=1), **options}
+    trainer = pl.Trainer(accelerator="cpu", devices=2, callbacks=[capture],
+                         strategy=StaleStrategy(**options, record_trace=False),
+                         **{**QUIET, "max_steps": 48, **TRAINER.get(name, {})})
+    trainer.fit(model, dm)
+    if trainer.global_rank == 0:
+        results[name] = summary(trainer, capture)
+        results[name]["global_step"] = trainer.global_step
+        results[name]["module_matches_server"] = all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), trainer.strategy.core.state.params))
+        results[name]["outer"] = type(trainer.strategy.core.state.optimizer).__name__
+        results[name]["outer_momentum"] = [
+            "momentum_buffer" in s for s in trainer.strategy.core.state.optimizer.state.values()]
+write_results(trainer, results)

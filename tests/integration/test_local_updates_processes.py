@@ -1,0 +1,40 @@
+"""StaleStrategy's local updates on 2 real processes (tests/integration/scripts/local_updates.py):
+what only processes show, the pseudo-gradients of a learner on another process crossing shared
+memory or gloo. The update rule itself is recomputed by hand in-process
+(tests/unit/test_local_updates_real.py)."""
+
+import pytest
+
+from processes import books_balance, run_script
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_script("local_updates.py", tmp_path_factory.mktemp("local_updates"))
+
+
+@pytest.mark.parametrize("name,h", [("sync_diloco", 4), ("async_slow_learner", 3), ("k_batch_sync_gloo", 2)])
+def test_both_learners_push_rounds_and_the_counts_are_inner_steps(runs, name, h):
+    run = runs[name]
+    stats = run["stats"]
+    assert books_balance(stats)
+    assert stats["updates"] == 48 // h  # max_steps counts inner steps, H per update
+    assert run["global_step"] == h * stats["updates"]
+    assert all(n > 0 for n in stats["pushes_per_learner"]) and len(stats["pushes_per_learner"]) == 2
+    assert run["module_matches_server"]
+    assert run["losses"][-1] < run["losses"][0]
+
+
+def test_the_outer_nesterov_step_and_staleness(runs):
+    assert runs["sync_diloco"]["outer"] == "SGD" and all(runs["sync_diloco"]["outer_momentum"])
+    assert runs["sync_diloco"]["stats"]["shared_memory_learners"] == [1]
+    assert max(runs["async_slow_learner"]["staleness_max"]) >= 1  # the fast learner went on
+    assert runs["k_batch_sync_gloo"]["stats"]["shared_memory_learners"] == []
+
+
+def test_epochs_are_passes_of_inner_steps_and_rounds_go_on_over_their_ends(runs):
+    run = runs["async_epochs"]
+    stats = run["stats"]
+    assert stats["updates"] == 20 and run["global_step"] == 60 and books_balance(stats)
+    assert stats["epochs"] == 2  # 8 pushes an epoch: 2 x ceil(12 / 3)
+    assert "val/loss" in run["callback_metrics"] and run["module_matches_server"]
