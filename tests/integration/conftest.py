@@ -27,6 +27,8 @@ LAUNCHES = {
     "frozen": ("test_engine_processes.py", "frozen", lambda folder: run_script("frozen.py", folder)),
     "crash": ("test_engine_processes.py", "crash", run_crash),
     "two_nodes": ("test_engine_processes.py", "two_nodes", run_two_nodes),
+    "local_updates": ("test_local_updates_processes.py", "runs",
+                      lambda folder: run_script("local_updates.py", folder)),
     "minibatch_timer": ("test_minibatch_timer.py", "traces",
                         lambda folder: run_script("minibatch_timer.py", folder)),
     "replay": ("test_replay_processes.py", "recorded", lambda folder: run_script("replay.py", folder)),

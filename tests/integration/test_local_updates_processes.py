@@ -5,12 +5,12 @@ memory or gloo. The update rule itself is recomputed by hand in-process
 
 import pytest
 
-from processes import books_balance, run_script
+from processes import books_balance
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return run_script("local_updates.py", tmp_path_factory.mktemp("local_updates"))
+def runs(launched):
+    return launched("local_updates")  # tests/integration/conftest.py
 
 
 @pytest.mark.parametrize("name,h", [("sync_diloco", 4), ("async_slow_learner", 3), ("k_batch_sync_gloo", 2)])
