@@ -150,7 +150,8 @@ def _validate_run(cfg: DictConfig) -> int | None:
 def _check_local_updates(cfg: DictConfig, engine: str) -> None:
     """``variant.local_steps``, ``variant.outer_optimizer`` and ``engine.strategy.adaptive_h``
     (docs/how-to/local-updates.md):
-    checked as the strategy checks them, and refused on the engines that do not take them yet."""
+    checked as the strategy checks them, and refused where the engine does not take them (ddp;
+    the server engine's collective and sharded paths) before any process starts."""
     from lightning_stale.method.adaptive import AdaptiveH
     from lightning_stale.strategies.local_updates import check_local_steps, outer_optimizer_factory
 
@@ -160,11 +161,17 @@ def _check_local_updates(cfg: DictConfig, engine: str) -> None:
         outer_optimizer_factory(outer)
     except ValueError as error:
         raise ConfigError(f"variant.local_steps / variant.outer_optimizer: {error}") from None
-    if engine != "simulated" and (local_steps != 1 or outer is not None):
+    local = local_steps != 1 or outer is not None
+    if local and engine == "ddp":
         raise ConfigError(f"variant.local_steps={local_steps} with variant.outer_optimizer="
                           f"{'null' if outer is None else 'set'}: local updates run on "
-                          f"engine=simulated for now, not engine={engine}; use engine=simulated, "
+                          "engine=simulated or engine=server, not engine=ddp; use one of those, "
                           "or variant.local_steps=1 and variant.outer_optimizer=null")
+    path = cfg.engine.get("strategy", {}).get("server", "auto")
+    if local and engine == "server" and path not in ("auto", "central"):
+        raise ConfigError(f"engine.strategy.server={path} with variant.local_steps={local_steps}: "
+                          "local updates run on the central path; use engine.strategy.server=central "
+                          "(or auto)")
     adaptive_h = cfg.engine.get("strategy", {}).get("adaptive_h")
     if adaptive_h is not None and engine != "simulated":
         raise ConfigError(f"engine.strategy.adaptive_h: AdaComm's adaptive H runs on engine=simulated "

@@ -240,8 +240,10 @@ def test_server_engine_gets_variant_k_and_delay_object(monkeypatch):
     class RecordingStrategy:
         def __init__(self, variant, k=None, delay=None, delay_mode="after_compute", server="auto",
                      hold_freed_memory=False, shared_memory=False, overlap_allreduce=False,
-                     payload_channels=True, record_events=None, digest_every=None):
+                     payload_channels=True, record_events=None, digest_every=None, local_steps=None,
+                     outer_optimizer="unset"):
             self.variant, self.k, self.delay, self.delay_mode = variant, k, delay, delay_mode
+            self.local_steps, self.outer_optimizer = local_steps, outer_optimizer
             self.record_events, self.digest_every = record_events, digest_every
             self.server, self.hold_freed_memory = server, hold_freed_memory
             self.shared_memory, self.overlap_allreduce = shared_memory, overlap_allreduce
@@ -254,4 +256,5 @@ def test_server_engine_gets_variant_k_and_delay_object(monkeypatch):
     # overlap where the default group is gloo (None); no device channels (never run on GPUs)
     assert strategy.overlap_allreduce is None and strategy.payload_channels is False
     assert strategy.record_events is False and strategy.digest_every == 100  # no event log unless asked
+    assert strategy.local_steps == 1 and strategy.outer_optimizer is None  # a push per step
     assert isinstance(strategy.delay, ShiftedExponential) and strategy.delay.shift == 0.01

@@ -449,12 +449,20 @@ def test_hydra_config_sets_local_steps_and_the_outer_optimizer():
     assert built.defaults["lr"] == 0.7 and built.defaults["momentum"] == 0.9
     default = build_strategy(compose_config("train", ["race=none", "engine=simulated"]))
     assert default.local_steps == 1 and not default.local_updates
+    # the server engine: the real learners' rounds on the central path
+    real = build_strategy(compose_config("train", ["race=none", "engine=server", "variant=k_async",
+                                                   "variant.k=2", "variant.local_steps=4"]))
+    assert isinstance(real, StaleStrategy) and real.local_steps == 4 and real.local_updates
+    assert real.server == "central" and real.outer_optimizer is None
+    default = build_strategy(compose_config("train", ["race=none", "engine=server"]))
+    assert default.local_steps == 1 and not default.local_updates
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["race=none", "engine=simulated", "variant.local_steps=0"], r"local_steps must be an integer >= 1.*got 0"),
     (["race=none", "engine=simulated", "variant.outer_optimizer=torch.optim.Nope"], "names no torch.optim"),
-    (["race=none", "variant.local_steps=4"], r"local updates run on engine=simulated for now, not engine=server"),
+    (["race=none", "variant.local_steps=4", "engine.strategy.server=sharded"],
+     r"engine.strategy.server=sharded with variant.local_steps=4: local updates run on the central path"),
     (["race=none", "engine=ddp", "variant.outer_optimizer=torch.optim.SGD"], r"not engine=ddp"),
 ])
 def test_hydra_config_refuses_bad_local_updates(overrides, message):
