@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LATEST = ROOT / "benchmarks" / "results" / "latest"
 KINDS = {"cpu": "CPU", "gpu": "GPU"}
 GPU_CAPABLE = {"scaling", "gpu_check"}  # the scripts with --accelerator gpu; the rest train on CPUs
-NAMED = {"k", "devices", "learner"}  # label columns shown as name=value under a bar
+NAMED = {"k", "devices", "learner", "h"}  # label columns shown as name=value under a bar
 
 # Per benchmark: the table's columns (None: all), where the rows are ("figures", or a key of
 # "settings"), and the figure: bars of `value` per row labelled by `label` columns, or lines of
@@ -42,6 +42,10 @@ SPECS: dict[str, dict[str, Any]] = {
                                      "ms_per_update", "samples_per_s"],
                             plot="bar", label=["devices", "mode", "k"], value="vs_ddp", reference=1.0,
                             ylabel="samples/s over ddp's"),
+    "local_updates_vs_ddp": dict(columns=["devices", "mode", "h", "samples_per_s", "vs_ddp", "vs_ddp_per_repeat",
+                                          "target", "met", "bytes_per_inner_step", "ms_per_update", "updates"],
+                                 plot="bar", label=["devices", "mode", "h"], value="vs_ddp", reference=1.0,
+                                 ylabel="samples/s over ddp's"),
     "straggler_win": dict(columns=None, plot="bar", label=["variant", "k"], value=r"^t_[0-9.]+_s$",
                           ylabel="seconds to the first target loss"),
     "simulation_cost": dict(columns=["run", "k", "steps_per_s", "vs_plain", "vs_plain_per_repeat",
