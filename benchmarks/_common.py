@@ -236,6 +236,14 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def ratios_per_repeat(mine: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]],
+                      key: str = "samples_per_s") -> list[float]:
+    """Each row of ``mine``: its ``key`` over the ``baseline`` row's of the same ``repeat``, the
+    two run side by side in one launch, so that the machine's load hits both alike."""
+    base = {row["repeat"]: row[key] for row in baseline}
+    return [row[key] / base[row["repeat"]] for row in mine if row["repeat"] in base]
+
+
 def prepare_out(out: str | os.PathLike) -> Path:
     """Create the results folder (git ignores everything in the default one but ``latest/``)."""
     out = Path(out)

@@ -50,6 +50,7 @@ from _common import (
     is_rank_zero,
     median,
     rank_print,
+    ratios_per_repeat,
     run_per_device_count,
     table,
     trainer_kwargs,
@@ -128,12 +129,7 @@ def summarise(rows: list[dict], devices: list[int]) -> list[dict]:
         for mode, h in dict.fromkeys((r["mode"], r["h"]) for r in rows if r["devices"] == p):
             mine = [r for r in rows if r["devices"] == p and r["mode"] == mode and r["h"] == h]
             # The ratio of each repeat to the ddp run of the same repeat, then the median.
-            per_repeat = []
-            for r in mine:
-                base = [d["samples_per_s"] for d in rows if d["devices"] == p and d["mode"] == "ddp"
-                        and d["repeat"] == r["repeat"]]
-                if base:
-                    per_repeat.append(r["samples_per_s"] / base[0])
+            per_repeat = ratios_per_repeat(mine, [d for d in rows if d["devices"] == p and d["mode"] == "ddp"])
             vs_ddp = median(per_repeat)
             target = f">= {TARGET}" if h == TARGET_H else ""
             summary.append({"devices": p, "mode": mode, "h": "" if h is None else h,

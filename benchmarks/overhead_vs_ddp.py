@@ -29,7 +29,7 @@ from pathlib import Path
 from pytorch_lightning import Trainer, seed_everything
 
 from _common import (MLPClassifier, StepTimer, base_parser, run_per_device_count,
-                     classification_loader, is_rank_zero, median, rank_print, table,
+                     classification_loader, is_rank_zero, median, rank_print, ratios_per_repeat, table,
                      trainer_kwargs, write_results)
 from lightning_stale import StaleStrategy
 
@@ -98,12 +98,7 @@ def summarise(rows: list[dict], devices: list[int]) -> list[dict]:
             mine = [r for r in rows if r["devices"] == p and r["mode"] == mode]
             sps = median([r["samples_per_s"] for r in mine])
             # The ratio of each repeat to the ddp run of the same repeat, then the median.
-            per_repeat = []
-            for r in mine:
-                base = [d["samples_per_s"] for d in rows if d["devices"] == p and d["mode"] == "ddp"
-                        and d["repeat"] == r["repeat"]]
-                if base:
-                    per_repeat.append(r["samples_per_s"] / base[0])
+            per_repeat = ratios_per_repeat(mine, [d for d in rows if d["devices"] == p and d["mode"] == "ddp"])
             summary.append({"devices": p, "mode": mode, "k": mine[0]["k"],
                             "ms_per_update": 1e3 * median([r["interval_s"] for r in mine]),
                             "samples_per_s": sps, "vs_ddp": median(per_repeat),
