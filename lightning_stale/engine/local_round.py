@@ -50,10 +50,11 @@ def cloned_state(states: Sequence[dict | None] | None) -> list[dict | None] | No
 
 
 class LocalRound:
-    """One simulated learner's H inner steps between two pushes.
+    """One learner's H inner steps between two pushes, on either engine.
 
     Args:
-        finish: the learner's `Finish` on the virtual clock (its push at the round's end).
+        finish: on the simulated engine, the learner's `Finish` on the virtual clock (its push
+            at the round's end); None on the real one.
         local_steps: H.
         optimizer: the module's optimizer, which takes this learner's inner state now.
         state: that state (`take_inner_state` of its previous round), None for a fresh one.
