@@ -172,3 +172,62 @@ def test_the_hydra_app_takes_local_updates_on_the_collective_path_for_the_sync_f
     with pytest.raises(ConfigError, match=r"server=sharded with variant.local_steps=4.*server=central"):
         compose_config("train", ["race=none", "engine=server", "variant.local_steps=4",
                                  "engine.strategy.server=sharded"])
+
+
+# ------------------------------------------------------------------ one learner's side
+def test_validation_and_checkpoints_see_the_servers_copy_not_the_round_in_progress(monkeypatch):
+    from thread_ranks import ThreadRanks
+
+    from lightning_stale.engine.distributed.messages import Kind, Message
+    from lightning_stale.engine.distributed.paths.base import CheckpointView
+    from lightning_stale.engine.distributed.paths.collective import path as collective_path
+    from lightning_stale.engine.distributed.paths.collective.local import CollectiveLocalExchange
+    from lightning_stale.engine.distributed.paths.collective.path import CollectiveCheckpoint
+    from lightning_stale.engine.schedules import Schedules
+    from lightning_stale.engine.state import ModelVectors
+    from lightning_stale.strategies.local_updates import outer_optimizer_factory
+
+    ranks = ThreadRanks(1)  # a world of one: the all-reduce is the identity
+    ranks.local.rank = 0
+    monkeypatch.setattr(collective_path, "dist", ranks)
+    torch.manual_seed(0)
+    module = MomentumClassifier(lr=0.05)
+    inner = module.configure_optimizers()
+    vectors = ModelVectors.of(module)
+    side = CollectiveLocalExchange(vectors, inner, Schedules([], inner), 0, torch.device("cpu"), module,
+                                   outer_optimizer_factory(NESTEROV), 2)
+    batches = blob_batches()
+
+    def inner_step(i):
+        inner.zero_grad()
+        torch.nn.functional.cross_entropy(module(batches(0, i)[0]), batches(0, i)[1]).backward()
+        inner.step()
+
+    start = vectors.state_vector()
+    inner_step(0), inner_step(1)
+    pseudo = start - vectors.state_vector()
+    push = Message(Kind.PUSH)
+    side.fill_push(push), side.before_push(push), side.after_push(push)
+    side.take(Message(Kind.PARAMS, version=1, payload=torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)))
+    server = start - 0.7 * (1 + 0.9) * pseudo  # Nesterov's first step: (1 + mu) x the pseudo-gradient
+    assert isclose(side.pulled, server) and isclose(vectors.state_vector(), server)
+    inner_step(2)  # a round in progress moves the module
+    assert not isclose(vectors.state_vector(), server)
+    epoch = Message(Kind.EPOCH, version=1)
+    side.resolve(epoch, check=lambda: None)
+    assert torch.equal(epoch.payload, side.pulled)  # validation runs on the server's copy
+
+    class Books:
+        def state_dict(self):
+            return {"updates": 1}
+
+    part = CollectiveCheckpoint(CheckpointView(Books(), module, optimizer=lambda: inner, learner=lambda: None,
+                                               learner_side=side))
+    saved = part.module_state(module.state_dict())
+    names = [name for name, p in module.named_parameters()]
+    assert isclose(torch.cat([saved[name].reshape(-1) for name in names]), server)
+    assert "momentum_buffer" in next(iter(part.optimizer_state({})["state"].values()))  # the inner one's
+    books = part.engine_state()
+    assert books["updates"] == 1
+    assert isclose(torch.cat([s["momentum_buffer"].reshape(-1) for s in books["outer_optimizer"]["state"].values()]),
+                   pseudo)  # DiLoCo's momentum, in the engine's part
