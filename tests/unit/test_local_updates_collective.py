@@ -231,3 +231,41 @@ def test_validation_and_checkpoints_see_the_servers_copy_not_the_round_in_progre
     assert books["updates"] == 1
     assert isclose(torch.cat([s["momentum_buffer"].reshape(-1) for s in books["outer_optimizer"]["state"].values()]),
                    pseudo)  # DiLoCo's momentum, in the engine's part
+
+
+def test_through_lightning_the_collective_path_ends_where_the_central_one_does(one_process, tmp_path):
+    """P = 1 through Lightning's loops (a gloo group of one): the same rounds on both paths, so
+    the same parameters, steps and pushes."""
+    from test_local_updates_real import _lightning_fit
+
+    fits = {path: _lightning_fit(StaleStrategy("sync", local_steps=3, outer_optimizer=NESTEROV, server=path,
+                                               record_trace=False), tmp_path / path, max_steps=9)
+            for path in ("collective", "central")}
+    collective, central = fits["collective"], fits["central"]
+    assert collective.strategy.stats["server_path"] == "collective"
+    assert collective.strategy.stats["updates"] == central.strategy.stats["updates"] == 3
+    assert collective.global_step == central.global_step == 9
+    assert collective.strategy.stats["pushes_per_learner"] == central.strategy.stats["pushes_per_learner"] == [3]
+    for a, b in zip(collective.lightning_module.parameters(), central.lightning_module.parameters()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(a, b) for a, b in zip(collective.lightning_module.parameters(),
+                                                      MomentumClassifier(lr=0.05).parameters()))
+
+
+@pytest.mark.parametrize("local_updates", [False, True])
+def test_the_all_reduce_never_overlaps_backward_with_local_updates(monkeypatch, local_updates):
+    """Fully sync on P = 2 overlaps its all-reduce with backward on gloo, but not with local
+    updates: a round's push is no backward's gradient (the path asserts it never gets both)."""
+    from types import SimpleNamespace
+
+    from lightning_stale.method.variants import Variant
+    from lightning_stale.strategies import options
+
+    monkeypatch.setattr(options, "dist", SimpleNamespace(get_backend=lambda: "gloo"))
+    strategy = SimpleNamespace(world_size=2, global_rank=1, lightning_module=um.Classifier(lr=0.05),
+                               precision_plugin=None, overlap_allreduce=None, path="collective", _adaptive=None,
+                               payload_channels=False, root_device=torch.device("cpu"), on_learner_failure="stop",
+                               _server_group=None, local_updates=local_updates)
+    trainer = SimpleNamespace(accumulate_grad_batches=1, callbacks=[])
+    overlap, channels = options.settle_transport(strategy, trainer, Variant.create("sync", 2))
+    assert (overlap, channels) == (not local_updates, None)
