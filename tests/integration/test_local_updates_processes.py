@@ -1,7 +1,8 @@
 """StaleStrategy's local updates on 2 real processes (tests/integration/scripts/local_updates.py):
 what only processes show, the pseudo-gradients of a learner on another process crossing shared
-memory or gloo. The update rule itself is recomputed by hand in-process
-(tests/unit/test_local_updates_real.py)."""
+memory or gloo, and on the collective path each process's copy of the server's state kept
+equal by the all-reduces. The update rule itself is recomputed by hand in-process
+(tests/unit/test_local_updates_real.py, test_local_updates_collective.py)."""
 
 import pytest
 
