@@ -151,7 +151,8 @@ def _check_local_updates(cfg: DictConfig, engine: str) -> None:
     """``variant.local_steps``, ``variant.outer_optimizer`` and ``engine.strategy.adaptive_h``
     (docs/how-to/local-updates.md):
     checked as the strategy checks them, and refused where the engine does not take them (ddp;
-    the server engine's collective and sharded paths) before any process starts."""
+    the server engine's sharded path; its collective path serves the sync family, which
+    `_check_server_path` checks) before any process starts."""
     from lightning_stale.method.adaptive import AdaptiveH
     from lightning_stale.strategies.local_updates import check_local_steps, outer_optimizer_factory
 
@@ -168,10 +169,10 @@ def _check_local_updates(cfg: DictConfig, engine: str) -> None:
                           "engine=simulated or engine=server, not engine=ddp; use one of those, "
                           "or variant.local_steps=1 and variant.outer_optimizer=null")
     path = cfg.engine.get("strategy", {}).get("server", "auto")
-    if local and engine == "server" and path not in ("auto", "central"):
+    if local and engine == "server" and path not in ("auto", "central", "collective"):
         raise ConfigError(f"engine.strategy.server={path} with variant.local_steps={local_steps}: "
-                          "local updates run on the central path; use engine.strategy.server=central "
-                          "(or auto)")
+                          "local updates run on the central path (and the collective one, for the sync "
+                          "family); use engine.strategy.server=central (or auto, or collective)")
     adaptive_h = cfg.engine.get("strategy", {}).get("adaptive_h")
     if adaptive_h is not None and engine != "simulated":
         raise ConfigError(f"engine.strategy.adaptive_h: AdaComm's adaptive H runs on engine=simulated "

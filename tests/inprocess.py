@@ -2,7 +2,8 @@
 
 P real `Learner` objects (engine/distributed/learner.py), each on a thread with its own copy of
 the user's module, and the real `ParameterServer` + `ServerCore` + `CentralPayloads` on the
-server's side, joined by queues in place of the gloo endpoints (`QueueServerEndpoint`,
+server's side (on the collective path `CollectivePayloads`, the learners all-reducing among
+themselves as threads), joined by queues in place of the gloo endpoints (`QueueServerEndpoint`,
 `QueueLearnerEndpoint`: the part of transport.py's `ServerEndpoint` and `LearnerEndpoint` that
 the server and the learner use). Delays injected per learner make the slow learners slow, so
 that staleness (async family) and cancellation (sync family) happen as in a multi-process run.
@@ -31,11 +32,16 @@ from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.local_steps import LocalSteps
 from lightning_stale.engine.distributed.messages import Flag, Kind, Message
 from lightning_stale.engine.distributed.paths.central.path import CentralExchange, CentralPayloads
+from lightning_stale.engine.distributed.paths.collective import path as collective_path
+from lightning_stale.engine.distributed.paths.collective.local import CollectiveLocalExchange
+from lightning_stale.engine.distributed.paths.collective.path import CollectivePayloads
 from lightning_stale.engine.distributed.server import ParameterServer
+from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.strategies.local_updates import outer_optimizer_factory, plain_averaging
+from thread_ranks import ThreadRanks
 
 LAST = (Kind.STOP, Kind.ABORT)  # nothing follows these to a learner
 TIMEOUT_S = 30.0  # a learner or the server stuck this long fails the test instead of hanging it
@@ -132,6 +138,42 @@ class RecordingPayloads(CentralPayloads):
         run.versions[update.version] = run.core.state.snapshot(update.version).clone()
 
 
+class RecordingCollectivePayloads(CollectivePayloads):
+    """The collective path's server side (pushes are headers, updates say whose to take), recording
+    every update; the parameters of each version are recorded by the learners, which hold them."""
+
+    def __init__(self, run: InProcessRun) -> None:
+        super().__init__()
+        self._run = run
+
+    def on_update(self, update, contributions, weights) -> None:
+        super().on_update(update, contributions, weights)
+        self._run.updates.append(RecordedUpdate(update, weights))
+
+
+class RecordingLocalExchange(CollectiveLocalExchange):
+    """A learner's side of the collective path with local updates, recording its pushed
+    pseudo-gradients (which stay with it: only headers travel) and its copy of the server's
+    parameters and buffers at every version it takes."""
+
+    def __init__(self, run: InProcessRun, rank: int, *args) -> None:
+        super().__init__(*args)
+        self._run, self._rank = run, rank
+        self.versions: dict[int, torch.Tensor] = {0: self.pulled.clone()}
+
+    def after_push(self, message: Message) -> None:
+        super().after_push(message)
+        if not message.flags & Flag.UNUSABLE:  # its push is this learner's latest received one
+            with self._run._lock:
+                push = [p for p in self._run.pushes if p.learner == self._rank][-1]
+                push.payload, push.masked = self._pending[-1].clone(), True
+
+    def take(self, message: Message) -> None:
+        super().take(message)
+        if message.payload is not None:
+            self.versions[message.version] = self.pulled.clone()
+
+
 class Delays:
     """A fixed injected delay (seconds) per learner: ``seconds[learner]``."""
 
@@ -166,6 +208,9 @@ class InProcessRun:
     # (`strategies.local_updates.outer_optimizer_factory`'s spec; None: plain averaging)
     local_steps: int = 1
     outer_optimizer: object = None
+    # "collective": the learners all-reduce the pushes of each update among themselves (threads
+    # as ranks, `thread_ranks.ThreadRanks`) and every one applies it; local updates only
+    path: str = "central"
 
     def __post_init__(self) -> None:
         self.pushes: list[RecordedPush] = []
@@ -200,29 +245,40 @@ class InProcessRun:
             outer = outer_optimizer_factory(self.outer_optimizer) or plain_averaging()
         state = ServerState(server_module, optimizer, outer=outer, steps_per_update=self.local_steps)
         compensation = StalenessCompensation.create(self.compensation)
-        self.core = ServerCore(variant, state, ServerLimits(max_updates=self.max_updates),
+        collective = self.path == "collective"
+        assert not collective or (self.local and variant.synchronous), "the collective path's local updates"
+        self.core = ServerCore(variant, None if collective else state, ServerLimits(max_updates=self.max_updates),
                                compensation=compensation, clock=time.monotonic())
         self.versions[0] = state.snapshot(0).clone()
         self.server_vectors = ModelVectors.of(server_module)
-        self.server = ParameterServer(self.core, RecordingPayloads(self.server_vectors, self), heartbeat_s=0.05)
+        payloads = RecordingCollectivePayloads(self) if collective else RecordingPayloads(self.server_vectors, self)
+        self.server = ParameterServer(self.core, payloads, heartbeat_s=0.05)
         self.endpoints = [QueueLearnerEndpoint(r, self) for r in range(self.p)]
         self.modules = [copy.deepcopy(self.module) for _ in range(self.p)]
         delays = Delays(self.delays)
         vectors = [ModelVectors.of(m) for m in self.modules]
-        self.learners = [Learner(e, v, delays, exchange=CentralExchange(v, local=self.local),
-                                 waits_for_answer=variant.pusher_needs_answer)
-                         for e, v in zip(self.endpoints, vectors)]
         self.inner_optimizers = [m.configure_optimizers() for m in self.modules]
+        self.ranks = ThreadRanks(self.p)
+        exchanges = [RecordingLocalExchange(self, r, v, o, Schedules([], o), r, torch.device("cpu"), m, outer,
+                                            self.local_steps) if collective else CentralExchange(v, local=self.local)
+                     for r, (v, o, m) in enumerate(zip(vectors, self.inner_optimizers, self.modules))]
+        self.learners = [Learner(e, v, delays, exchange=x, waits_for_answer=variant.pusher_needs_answer)
+                         for e, v, x in zip(self.endpoints, vectors, exchanges)]
         self.rounds = [LocalSteps(learner, opt, self.local_steps) if self.local else None
                        for learner, opt in zip(self.learners, self.inner_optimizers)]
         self.server_endpoint = QueueServerEndpoint(self.endpoints)
         self.server.start(self.server_endpoint)
         threads = [threading.Thread(target=self._learn, args=(r,), daemon=True, name=f"inprocess-learner-{r}")
                    for r in range(self.p)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT_S)
+        patched = collective_path.dist
+        collective_path.dist = self.ranks if collective else patched  # (the path's all-reduces)
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(TIMEOUT_S)
+        finally:
+            collective_path.dist = patched
         stuck = [t.name for t in threads if t.is_alive()]
         if not self.server.join(TIMEOUT_S):
             stuck.append("stale-server")
@@ -231,10 +287,13 @@ class InProcessRun:
         if stuck or self.server.error:
             raise RuntimeError(f"the in-process run did not end cleanly: {stuck or self.server.error}")
         self.stats, _ = self.server.final_report()
+        if collective:  # every learner's copy of the server's parameters (learner 0's recorded)
+            self.versions.update(self.learners[0].exchange.versions)
         return self
 
     def _learn(self, rank: int) -> None:
         module, endpoint, learner = self.modules[rank], self.endpoints[rank], self.learners[rank]
+        self.ranks.local.rank = rank  # (this thread is the rank in the collective path's all-reduces)
         try:
             module.train()
             learner.wait_for_parameters()

@@ -3,10 +3,15 @@
 
 import threading
 
+import torch.distributed as dist
+
 
 class ThreadRanks:
-    """``all_gather`` and ``broadcast`` among ``world`` threads (one per rank, `run`), met at a
-    barrier; ``calls`` counts the collectives each rank made."""
+    """``all_gather``, ``broadcast`` and ``all_reduce`` (sum, max) among ``world`` threads (one
+    per rank, `run`, or threads that set ``local.rank`` themselves), met at a barrier; ``calls``
+    counts the collectives each rank made."""
+
+    ReduceOp = dist.ReduceOp
 
     def __init__(self, world: int) -> None:
         self.world, self.barrier, self.local = world, threading.Barrier(world, timeout=30), threading.local()
@@ -31,6 +36,18 @@ class ThreadRanks:
         self.barrier.wait()
         tensor.copy_(self.table[src])
         self.barrier.wait()
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False) -> None:
+        """Summed (or the largest) in rank order, the same result on every rank."""
+        assert not async_op and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX), "sum or max, waited for"
+        self.calls[self.local.rank] += 1
+        self.table[self.local.rank] = tensor.clone()
+        self.barrier.wait()
+        result = self.table[0].clone()
+        for t in self.table[1:]:
+            result = result + t if op == dist.ReduceOp.SUM else result.maximum(t)
+        self.barrier.wait()
+        tensor.copy_(result)
 
     def run(self, fn) -> list:
         """``fn(rank)`` on every rank's thread; their results, or the first rank's error raised."""

@@ -25,14 +25,15 @@ class LearnerRounds:
     def _init_learner_rounds(self, local_steps: Any, outer_optimizer: Any, adaptive_h: Any, server: str,
                              record_events: Any, payload_channels: bool, on_learner_failure: str,
                              adaptive_k: Any, staleness_compensation: Any) -> str:
-        """Check the options; returns the server path to use (local updates: the central one)."""
+        """Check the options; returns the server path to use (local updates: the central one, or
+        the collective one where given)."""
         compensation = StalenessCompensation.create(staleness_compensation)
         self._outer = check_real_engine_local_updates(local_steps, outer_optimizer, adaptive_h, server,
                                                       record_events, payload_channels, on_learner_failure,
                                                       adaptive_k, compensation)
         self.local_updates = self._outer is not None
         self.local_steps, self.outer_optimizer, self.adaptive_h = int(local_steps), outer_optimizer, None
-        return "central" if self.local_updates else server  # ("auto" chooses it)
+        return "central" if self.local_updates and server == "auto" else server  # ("auto" chooses it)
 
     def refuse_schedulers(self, schedulers: list) -> None:
         """LR schedulers are refused with local updates (at setup, where they are known)."""

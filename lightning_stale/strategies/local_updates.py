@@ -50,8 +50,9 @@ def check_real_engine_local_updates(local_steps: Any, outer_optimizer: Any, adap
                                     record_events: Any, payload_channels: bool, on_learner_failure: str = "stop",
                                     adaptive_k: Any = None, compensation: Any = None) -> OuterFactory | None:
     """`StaleStrategy`'s checks of its local-update options; returns the outer optimizer's
-    factory for this run (None: no local updates). Local updates run on the central path only;
-    the collective and sharded paths, AdaComm's adaptive H, event logs, device channels, and (not
+    factory for this run (None: no local updates). Local updates run on the central path and,
+    for the sync family, the collective one; the sharded path, AdaComm's adaptive H, event logs,
+    device channels, and (not
     yet tested with them on the real engine) surviving dead learners, AdaSync's adaptive K and
     the "norm" compensation are refused with them, naming what to use instead."""
     h = check_local_steps(local_steps)
@@ -62,9 +63,10 @@ def check_real_engine_local_updates(local_steps: Any, outer_optimizer: Any, adap
     if h == 1 and outer is None:
         return None
     given = f"local_steps={h}" + ("" if outer is None else " with an outer_optimizer")
-    if server not in ("central", "auto"):
-        raise ValueError(f"server={server!r} with {given}: local updates run on the central path on "
-                         "StaleStrategy; use server='central' (or 'auto'), or SimulatedStaleStrategy")
+    if server not in ("central", "auto", "collective"):
+        raise ValueError(f"server={server!r} with {given}: local updates run on the central path (and "
+                         "the collective one, for the sync family) on StaleStrategy; use server='central' "
+                         "(or 'auto', or 'collective' for sync, k_sync, k_batch_sync), or SimulatedStaleStrategy")
     if record_events:
         raise ValueError(f"record_events={record_events!r} cannot go with local updates ({given}): an "
                          "event log holds one mini-batch per push; use record_events=False")

@@ -75,7 +75,8 @@ def settle_transport(strategy: Any, trainer: Any, variant: Any) -> tuple[bool, s
     default_backend = dist.get_backend() if strategy.world_size > 1 else None
     module, rank0 = strategy.lightning_module, strategy.global_rank == 0
     plain_steps = (trainer.accumulate_grad_batches == 1 and module.automatic_optimization
-                   and getattr(strategy.precision_plugin, "scaler", None) is None)
+                   and getattr(strategy.precision_plugin, "scaler", None) is None
+                   and not getattr(strategy, "local_updates", False))  # (a push is no backward's gradient)
     overlap = overlap_allreduce(strategy.overlap_allreduce, default_backend, strategy.path, variant,
                                 strategy._adaptive, plain_steps)
     # (no user hook that may change gradients after backward: a round's gradient is the one pushed)

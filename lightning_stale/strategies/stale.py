@@ -124,12 +124,12 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
             micro-batch per push, no gradient scaler, and no ``on_after_backward`` or
             ``on_before_optimizer_step`` override in the module or a callback (which may change
             the gradients). ``trainer.strategy.overlapped_updates`` counts such updates.
-        local_steps: H, local updates (docs/how-to/local-updates.md, central path only): each
-            learner takes H steps of the module's optimizer (its own state, kept from one pushed
-            round to the next) from the parameters it took, then pushes the pseudo-gradient,
-            those parameters minus its current ones; its injected delay is the sum of H draws.
-            New parameters or the stop arriving between two inner steps cancel the round. 1
-            (the default): a push per step, the paper's method.
+        local_steps: H, local updates (docs/how-to/local-updates.md; central, or collective for
+            the sync family): each learner takes H steps of the module's optimizer (its own state,
+            kept from one pushed round to the next) from the parameters it took, then pushes the
+            pseudo-gradient, those parameters minus its current ones; its injected delay is the
+            sum of H draws. New parameters or the stop arriving between two inner steps cancel the
+            round. 1 (the default): a push per step, the paper's method.
         outer_optimizer: how the server applies an update's averaged pseudo-gradients: None for
             plain averaging (SGD, lr 1, no momentum), or a class path and its arguments,
             ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9,
@@ -153,11 +153,11 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
     ``trainer.global_step`` is H x the server updates its parameters come from: ``max_steps``
     and ``estimated_stepping_batches`` count inner steps (the server stops after
     ceil(max_steps / H) updates), as on `SimulatedStaleStrategy` and under DDP with model
-    averaging; gradient clipping applies to each inner step. Refused with them, naming what to
-    use instead: the collective and sharded paths, ``adaptive_h``, ``record_events``,
-    ``payload_channels``, ``on_learner_failure="continue"``, ``adaptive_k`` and the "norm"
-    compensation (at construction), LR schedulers (at setup), and resuming a fit with
-    ``ckpt_path`` (the learners' inner states are not saved).
+    averaging; gradient clipping applies to each inner step; ``"auto"`` runs them central; on the
+    collective path an update's pseudo-gradients meet in one all-reduce and every learner applies
+    the outer step. Refused with them, naming what to use instead: the sharded path, ``adaptive_h``,
+    ``record_events``, ``payload_channels``, ``on_learner_failure="continue"``, ``adaptive_k``, the
+    "norm" compensation (at construction), LR schedulers (at setup), ``ckpt_path`` resumes.
     """
 
     strategy_name = "stale"

@@ -1,7 +1,8 @@
 """StaleStrategy's local updates on 2 real processes (tests/integration/scripts/local_updates.py):
 what only processes show, the pseudo-gradients of a learner on another process crossing shared
-memory or gloo. The update rule itself is recomputed by hand in-process
-(tests/unit/test_local_updates_real.py)."""
+memory or gloo, and on the collective path each process's copy of the server's state kept
+equal by the all-reduces. The update rule itself is recomputed by hand in-process
+(tests/unit/test_local_updates_real.py, test_local_updates_collective.py)."""
 
 import pytest
 
@@ -38,3 +39,18 @@ def test_epochs_are_passes_of_inner_steps_and_rounds_go_on_over_their_ends(runs)
     assert stats["updates"] == 20 and run["global_step"] == 60 and books_balance(stats)
     assert stats["epochs"] == 2  # 8 pushes an epoch: 2 x ceil(12 / 3)
     assert "val/loss" in run["callback_metrics"] and run["module_matches_server"]
+
+
+def test_the_collective_path_all_reduces_rounds_across_processes_and_keeps_the_copies_equal(runs):
+    run = runs["k_sync_collective"]
+    stats = run["stats"]
+    assert stats["server_path"] == "collective" and books_balance(stats)
+    assert stats["updates"] == 20 and run["global_step"] == 60  # max_steps=60 inner steps, 3 per update
+    assert stats["epochs"] >= 2 and "val/loss" in run["callback_metrics"]  # rounds went on over epochs' ends
+    assert stats["cancellations"] >= 1  # a round abandoned where the other's (K = 1) made an update
+    assert all(n > 0 for n in stats["pushes_per_learner"]) and sum(stats["pushes_per_learner"]) >= 20
+    assert {1} in [set(learners) for learners in run["learners"]]  # learner 1's rounds made updates too
+    # both processes' copies of the server's parameters and of DiLoCo's momentum, and their modules
+    assert run["replicas_agree"] and run["module_matches_server"]
+    assert run["outer"] == "SGD" and run["outer_momentum"] and all(run["outer_momentum"])
+    assert run["losses"][-1] < run["losses"][0]

@@ -1,10 +1,11 @@
 """Local updates through StaleStrategy's central path on 2 CPU processes (learner 1 pushes its
-pseudo-gradients through shared memory, then over gloo), one launch for every fit."""
+pseudo-gradients through shared memory, then over gloo), and its collective path (the learners
+all-reduce them over gloo, each applying the outer step), one launch for every fit."""
 
 import pytorch_lightning as pl
 import torch
 
-from common import QUIET, CaptureRecords, summary, write_results
+from common import QUIET, CaptureRecords, on_every_rank, summary, write_results
 from lightning_stale import StaleStrategy
 from lightning_stale.data import DigitsDataModule
 from lightning_stale.delays import ShiftedExponential, SlowLearners
@@ -22,8 +23,13 @@ RUNS = {
                               delay_mode="total"),  # (the push's whole time: its sum of H draws)
     # short epochs (12 batches a learner: 8 pushes), each validated: rounds span their ends
     "async_epochs": dict(variant="async", local_steps=3),
+    # the collective path: K = 1 of 2, so each update (the first round to end) cancels the other
+    # learner's round; each process applies DiLoCo's outer step to its own copy; short epochs
+    "k_sync_collective": dict(variant="k_sync", k=1, local_steps=3, outer_optimizer=DILOCO, server="collective",
+                              delay=ShiftedExponential(shift=0.002, mean=0.02, seed=1)),
 }
-TRAINER = {"async_epochs": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60)}
+TRAINER = {"async_epochs": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60),
+           "k_sync_collective": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60)}
 results = {}
 trainer = None
 for name, options in RUNS.items():
@@ -37,12 +43,22 @@ for name, options in RUNS.items():
                          strategy=StaleStrategy(**options, record_trace=False),
                          **{**QUIET, "max_steps": 48, **TRAINER.get(name, {})})
     trainer.fit(model, dm)
+    collective = options.get("server") == "collective"
+    # (on the collective path every learner holds a copy of the server's state; central: rank 0)
+    state = (trainer.strategy._side.server if collective
+             else trainer.strategy.core.state if trainer.global_rank == 0 else None)
+    if collective:  # the copies, outer optimizer state included, must agree across the processes
+        outer_state = [s["momentum_buffer"].tolist() for s in state.optimizer.state.values()]
+        replicas = on_every_rank([[p.tolist() for p in state.params], outer_state,
+                                  [p.tolist() for p in model.parameters()]])
     if trainer.global_rank == 0:
         results[name] = summary(trainer, capture)
         results[name]["global_step"] = trainer.global_step
         results[name]["module_matches_server"] = all(
-            torch.equal(a, b) for a, b in zip(model.parameters(), trainer.strategy.core.state.params))
-        results[name]["outer"] = type(trainer.strategy.core.state.optimizer).__name__
-        results[name]["outer_momentum"] = [
-            "momentum_buffer" in s for s in trainer.strategy.core.state.optimizer.state.values()]
+            torch.equal(a, b) for a, b in zip(model.parameters(), state.params))
+        results[name]["outer"] = type(state.optimizer).__name__
+        results[name]["outer_momentum"] = ["momentum_buffer" in s for s in state.optimizer.state.values()]
+        if collective:
+            results[name]["replicas_agree"] = all(replica == replicas[0] for replica in replicas[1:])
+            results[name]["cancelled"] = trainer.strategy.stats.get("cancellations")
 write_results(trainer, results)

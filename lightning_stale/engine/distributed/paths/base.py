@@ -43,7 +43,7 @@ class RankOptions:
     # on NCCL, the time after which torch's watchdog ends a collective left waiting
     timeout: datetime.timedelta | None = None
     observer: Any = None  # told of rank 0's core's pushes, updates, epochs (`replay.EventRecorder`)
-    # local updates (central path): H inner steps per push, and what builds the outer optimizer
+    # local updates (central and collective paths): H inner steps per push, and what builds the outer optimizer
     local_steps: int = 1
     outer: Callable[[Sequence[Any]], Optimizer] | None = None
 

@@ -15,6 +15,7 @@ from lightning_stale.engine.distributed.lanes import open_lanes, slot_bytes_for
 from lightning_stale.engine.distributed.messages import INLINE_PAYLOAD_BYTES
 from lightning_stale.engine.distributed.paths.base import ServerPath
 from lightning_stale.engine.distributed.paths.central.path import CentralPath
+from lightning_stale.engine.distributed.paths.collective.local import CollectiveLocalExchange
 from lightning_stale.engine.distributed.paths.collective.path import CollectivePath
 from lightning_stale.engine.distributed.paths.sharded.path import ShardedPath
 from lightning_stale.engine.state import ModelVectors
@@ -22,7 +23,7 @@ from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 
-CENTRAL, COLLECTIVE, SHARDED = CentralPath(), CollectivePath(), ShardedPath()
+CENTRAL, COLLECTIVE, SHARDED = CentralPath(), CollectivePath(CollectiveLocalExchange), ShardedPath()
 PATHS: dict[str, ServerPath] = {path.name: path for path in (CENTRAL, COLLECTIVE, SHARDED)}
 SERVER_PATHS = ("auto", *PATHS)
 

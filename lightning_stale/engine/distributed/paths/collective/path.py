@@ -6,6 +6,7 @@ for a learner inside its forward or backward (docs/concepts/paths.md)."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 from collections.abc import Callable
 from typing import cast
@@ -222,11 +223,16 @@ class CollectivePath(ServerPath):
     name = "collective"
     learners_step_optimizer = True
 
+    def __init__(self, local_exchange: Callable[..., CollectiveExchange] | None = None) -> None:
+        # the learner side with local updates (`collective.local.CollectiveLocalExchange`, which
+        # builds on this module's `CollectiveExchange`: given by the registry, not imported here)
+        self.local_exchange = local_exchange
+
     def problem(self, variant_name: str, on_learner_failure: str, compensation: StalenessCompensation | None,
                 clips: bool = False) -> str | None:
         if not kind_of(variant_name).synchronous:
             return (f"server='collective' serves the sync family (every update refreshes every learner), "
-                    f"not {variant_name!r}: use server='sharded', 'central' or 'auto'")
+                    f"not {variant_name!r}: use server='central' or 'auto' (or 'sharded', without local updates)")
         # (clipping is fine: every learner holds the whole averaged gradient)
         return spread_path_problem(self.name, on_learner_failure, compensation)
 
@@ -252,8 +258,15 @@ class CollectivePath(ServerPath):
             overlap = OverlappedAllReduce(ctx.vectors, ctx.variant.p, dist.new_group(timeout=options.timeout),
                                           dist.new_group(backend="gloo", timeout=datetime.timedelta(
                                               seconds=options.shutdown_timeout)), device)
-        exchange = CollectiveExchange(ctx.vectors, ctx.optimizer, schedules, ctx.rank, device, ctx.clip,
-                                      overlap=overlap)
+        exchange: CollectiveExchange
+        if options.outer is not None:  # local updates: pseudo-gradients, every learner's outer step
+            assert overlap is None, "an overlapped round would reduce an inner step's gradient"
+            assert self.local_exchange is not None, "the registry gives the path its local updates' side"
+            exchange = self.local_exchange(ctx.vectors, ctx.optimizer, schedules, ctx.rank, device,
+                                           ctx.module, options.outer, options.local_steps)
+        else:
+            exchange = CollectiveExchange(ctx.vectors, ctx.optimizer, schedules, ctx.rank, device, ctx.clip,
+                                          overlap=overlap)
         return RankParts(lambda endpoint: exchange,
                          CollectivePayloads(overlap=options.overlap) if ctx.rank == 0 else None)
 
@@ -262,7 +275,17 @@ class CollectivePath(ServerPath):
 
 
 class CollectiveCheckpoint(CheckpointPart):
-    """Rank 0's learner holds the model: its module, optimizer, version and schedulers are saved."""
+    """Rank 0's learner holds the model: its module, optimizer, version and schedulers are saved.
+    With local updates its copy of the server's state does: the server's parameters and buffers,
+    the outer optimizer's state in the books, and (as on the central path) rank 0's inner
+    optimizer in the optimizer's slot."""
+
+    def read(self) -> tuple[dict, dict, dict] | None:
+        server = getattr(self.view.learner_side, "server", None)  # `CollectiveLocalExchange`'s
+        if server is None:
+            return None
+        return (server.named_state(self.view.module), copy.deepcopy(self.view.optimizer().state_dict()),
+                {"outer_optimizer": copy.deepcopy(server.optimizer.state_dict())})
 
     def engine_state(self) -> dict:
         saved = self.view.server.state_dict()
@@ -270,4 +293,7 @@ class CollectiveCheckpoint(CheckpointPart):
         if learner is not None:
             saved.update(version=learner.version, updates=learner.version,
                          schedulers=learner.exchange.schedules.states())
+        instant, self._held = self._instant(), None  # (the next checkpoint reads anew)
+        if instant is not None:
+            saved.update(instant[2])
         return saved
