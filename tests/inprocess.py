@@ -142,6 +142,21 @@ class Delays:
         return self.seconds.get(learner, 0.0)
 
 
+def optimizer_and_schedulers(module) -> tuple[torch.optim.Optimizer, list]:
+    """The module's ``configure_optimizers``, an optimizer alone or Lightning's dict with one
+    ``lr_scheduler``, as an optimizer and Lightning's scheduler configs."""
+    from pytorch_lightning.utilities.types import LRSchedulerConfig
+
+    configured = module.configure_optimizers()
+    if not isinstance(configured, dict):
+        return configured, []
+    spec = configured.get("lr_scheduler")
+    if spec is None:
+        return configured["optimizer"], []
+    spec = spec if isinstance(spec, dict) else {"scheduler": spec}
+    return configured["optimizer"], [LRSchedulerConfig(**spec)]
+
+
 def classification_loss(module, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(module(x), y)
@@ -176,6 +191,8 @@ class InProcessRun:
         self._received = 0
         # per learner: (first mini-batch, version) of each round of local updates it started
         self.round_starts: dict[int, list[tuple[int, int]]] = {r: [] for r in range(self.p)}
+        # per learner: (version of the round, learning rates of the groups) of every inner step
+        self.inner_lrs: dict[int, list[tuple[int, list[float]]]] = {r: [] for r in range(self.p)}
 
     # ------------------------------------------------------------------ wiring
     def received(self, message: Message, batch: int) -> None:
@@ -193,7 +210,7 @@ class InProcessRun:
     def fit(self) -> InProcessRun:
         variant = Variant.create(self.variant, self.p, self.k)
         server_module = copy.deepcopy(self.module)
-        optimizer = server_module.configure_optimizers()
+        optimizer, _ = optimizer_and_schedulers(server_module)  # (the inner schedules are the learners')
         self.local = self.local_steps > 1 or self.outer_optimizer is not None
         outer = None
         if self.local:
@@ -212,9 +229,11 @@ class InProcessRun:
         self.learners = [Learner(e, v, delays, exchange=CentralExchange(v, local=self.local),
                                  waits_for_answer=variant.pusher_needs_answer)
                          for e, v in zip(self.endpoints, vectors)]
-        self.inner_optimizers = [m.configure_optimizers() for m in self.modules]
-        self.rounds = [LocalSteps(learner, opt, self.local_steps) if self.local else None
-                       for learner, opt in zip(self.learners, self.inner_optimizers)]
+        configured = [optimizer_and_schedulers(m) for m in self.modules]
+        self.inner_optimizers = [opt for opt, _ in configured]
+        self.inner_schedulers = [configs for _, configs in configured]
+        self.rounds = [LocalSteps(learner, opt, self.local_steps, configs) if self.local else None
+                       for learner, (opt, configs) in zip(self.learners, configured)]
         self.server_endpoint = QueueServerEndpoint(self.endpoints)
         self.server.start(self.server_endpoint)
         threads = [threading.Thread(target=self._learn, args=(r,), daemon=True, name=f"inprocess-learner-{r}")
@@ -252,6 +271,8 @@ class InProcessRun:
                 loss.backward()
                 endpoint.batch = i
                 if rounds is not None:
+                    lrs = [float(g["lr"]) for g in self.inner_optimizers[rank].param_groups]
+                    self.inner_lrs[rank].append((rounds.version, lrs))
                     rounds.step(loss.item(), len(batch[1]))
                 else:
                     learner.step(loss.item(), len(batch[1]), time.monotonic())

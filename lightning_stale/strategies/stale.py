@@ -307,7 +307,7 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
         self._learner, self._resume, self._side = learner, None, learner.exchange
-        self._rounds = LocalSteps(learner, self.optimizers[0], self.local_steps) if self.local_updates else None
+        self._rounds = self.start_rounds(learner)
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
         self._checkpoint = None if self._server is None else path_named(self.path).checkpoint(CheckpointView(
             self._server, self.lightning_module, optimizer=lambda: self.optimizers[0], learner=lambda: self._learner,
