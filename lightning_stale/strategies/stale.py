@@ -150,14 +150,16 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
     on global rank 0 holds the server's counters (after a failure, those at the failure).
 
     With local updates, one Lightning training step is one inner step of this learner, and
-    ``trainer.global_step`` is H x the server updates its parameters come from: ``max_steps``
-    and ``estimated_stepping_batches`` count inner steps (the server stops after
-    ceil(max_steps / H) updates), as on `SimulatedStaleStrategy` and under DDP with model
-    averaging; gradient clipping applies to each inner step. Refused with them, naming what to
-    use instead: the collective and sharded paths, ``adaptive_h``, ``record_events``,
-    ``payload_channels``, ``on_learner_failure="continue"``, ``adaptive_k`` and the "norm"
-    compensation (at construction), LR schedulers (at setup), and resuming a fit with
-    ``ckpt_path`` (the learners' inner states are not saved).
+    ``trainer.global_step`` is H x the server updates its parameters come from: ``max_steps``,
+    ``estimated_stepping_batches`` and the step-interval LR schedulers count inner steps, as on
+    `SimulatedStaleStrategy` and under DDP with model averaging (ceil(max_steps / H) updates). Each
+    learner steps its own schedulers: a round from server version v runs its H inner steps at the
+    schedule's value of inner step v x H (the simulated engine's; under the async family s x H steps
+    before it for a push of staleness s), epoch-interval ones at every epoch's end. Refused with
+    them, naming what to use instead: the collective and sharded paths, ``adaptive_h``,
+    ``record_events``, ``payload_channels``, ``on_learner_failure="continue"``, ``adaptive_k`` and
+    the "norm" compensation (at construction), ``ReduceLROnPlateau`` (at setup), and resuming with
+    ``ckpt_path`` (the learners' inner states are not saved). Clipping applies to each inner step.
     """
 
     strategy_name = "stale"
