@@ -4,7 +4,7 @@ pseudo-gradients through shared memory, then over gloo), one launch for every fi
 import pytorch_lightning as pl
 import torch
 
-from common import QUIET, CaptureRecords, summary, write_results
+from common import QUIET, CaptureRecords, on_every_rank, summary, write_results
 from lightning_stale import StaleStrategy
 from lightning_stale.data import DigitsDataModule
 from lightning_stale.delays import ShiftedExponential, SlowLearners
@@ -22,24 +22,32 @@ RUNS = {
                               delay_mode="total"),  # (the push's whole time: its sum of H draws)
     # short epochs (12 batches a learner: 8 pushes), each validated: rounds span their ends
     "async_epochs": dict(variant="async", local_steps=3),
+    # the inner optimizer's cosine schedule (over 120 inner steps), stepped by each learner
+    "scheduled_sync": dict(variant="sync", local_steps=3),
 }
-TRAINER = {"async_epochs": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60)}
+TRAINER = {"async_epochs": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60),
+           "scheduled_sync": dict(limit_train_batches=12, max_steps=60)}
+MODEL = {"scheduled_sync": dict(scheduler="cosine", scheduler_interval="step", schedule_length=120)}
 results = {}
 trainer = None
 for name, options in RUNS.items():
     pl.seed_everything(0)
     dm = DigitsDataModule(batch_size=16)
     hidden = (1200,) if name == "sync_diloco" else (64,)
-    model = Classifier(MLP(dm.input_shape, dm.num_classes, hidden), lr=0.1)
+    model = Classifier(MLP(dm.input_shape, dm.num_classes, hidden), lr=0.1, **MODEL.get(name, {}))
     capture = CaptureRecords()
     options = {"delay": ShiftedExponential(shift=0.001, mean=0.002, seed=1), **options}
     trainer = pl.Trainer(accelerator="cpu", devices=2, callbacks=[capture],
                          strategy=StaleStrategy(**options, record_trace=False),
                          **{**QUIET, "max_steps": 48, **TRAINER.get(name, {})})
     trainer.fit(model, dm)
+    schedules = [(c.scheduler.last_epoch, c.scheduler.optimizer.param_groups[0]["lr"])
+                 for c in trainer.lr_scheduler_configs]
+    schedules = on_every_rank(schedules)  # (a collective: before rank 0's results)
     if trainer.global_rank == 0:
         results[name] = summary(trainer, capture)
         results[name]["global_step"] = trainer.global_step
+        results[name]["schedules"] = schedules  # per rank: (last_epoch, lr) of each scheduler
         results[name]["module_matches_server"] = all(
             torch.equal(a, b) for a, b in zip(model.parameters(), trainer.strategy.core.state.params))
         results[name]["outer"] = type(trainer.strategy.core.state.optimizer).__name__
