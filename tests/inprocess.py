@@ -184,6 +184,21 @@ class Delays:
         return self.seconds.get(learner, 0.0)
 
 
+def optimizer_and_schedulers(module) -> tuple[torch.optim.Optimizer, list]:
+    """The module's ``configure_optimizers``, an optimizer alone or Lightning's dict with one
+    ``lr_scheduler``, as an optimizer and Lightning's scheduler configs."""
+    from pytorch_lightning.utilities.types import LRSchedulerConfig
+
+    configured = module.configure_optimizers()
+    if not isinstance(configured, dict):
+        return configured, []
+    spec = configured.get("lr_scheduler")
+    if spec is None:
+        return configured["optimizer"], []
+    spec = spec if isinstance(spec, dict) else {"scheduler": spec}
+    return configured["optimizer"], [LRSchedulerConfig(**spec)]
+
+
 def classification_loss(module, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(module(x), y)
@@ -221,6 +236,8 @@ class InProcessRun:
         self._received = 0
         # per learner: (first mini-batch, version) of each round of local updates it started
         self.round_starts: dict[int, list[tuple[int, int]]] = {r: [] for r in range(self.p)}
+        # per learner: (version of the round, learning rates of the groups) of every inner step
+        self.inner_lrs: dict[int, list[tuple[int, list[float]]]] = {r: [] for r in range(self.p)}
 
     # ------------------------------------------------------------------ wiring
     def received(self, message: Message, batch: int) -> None:
@@ -238,7 +255,7 @@ class InProcessRun:
     def fit(self) -> InProcessRun:
         variant = Variant.create(self.variant, self.p, self.k)
         server_module = copy.deepcopy(self.module)
-        optimizer = server_module.configure_optimizers()
+        optimizer, _ = optimizer_and_schedulers(server_module)  # (the inner schedules are the learners')
         self.local = self.local_steps > 1 or self.outer_optimizer is not None
         outer = None
         if self.local:
@@ -257,15 +274,17 @@ class InProcessRun:
         self.modules = [copy.deepcopy(self.module) for _ in range(self.p)]
         delays = Delays(self.delays)
         vectors = [ModelVectors.of(m) for m in self.modules]
-        self.inner_optimizers = [m.configure_optimizers() for m in self.modules]
+        configured = [optimizer_and_schedulers(m) for m in self.modules]
+        self.inner_optimizers = [opt for opt, _ in configured]
+        self.inner_schedulers = [configs for _, configs in configured]
         self.ranks = ThreadRanks(self.p)
         exchanges = [RecordingLocalExchange(self, r, v, o, Schedules([], o), r, torch.device("cpu"), m, outer,
                                             self.local_steps) if collective else CentralExchange(v, local=self.local)
                      for r, (v, o, m) in enumerate(zip(vectors, self.inner_optimizers, self.modules))]
         self.learners = [Learner(e, v, delays, exchange=x, waits_for_answer=variant.pusher_needs_answer)
                          for e, v, x in zip(self.endpoints, vectors, exchanges)]
-        self.rounds = [LocalSteps(learner, opt, self.local_steps) if self.local else None
-                       for learner, opt in zip(self.learners, self.inner_optimizers)]
+        self.rounds = [LocalSteps(learner, opt, self.local_steps, configs) if self.local else None
+                       for learner, (opt, configs) in zip(self.learners, configured)]
         self.server_endpoint = QueueServerEndpoint(self.endpoints)
         self.server.start(self.server_endpoint)
         threads = [threading.Thread(target=self._learn, args=(r,), daemon=True, name=f"inprocess-learner-{r}")
@@ -311,6 +330,8 @@ class InProcessRun:
                 loss.backward()
                 endpoint.batch = i
                 if rounds is not None:
+                    lrs = [float(g["lr"]) for g in self.inner_optimizers[rank].param_groups]
+                    self.inner_lrs[rank].append((rounds.version, lrs))
                     rounds.step(loss.item(), len(batch[1]))
                 else:
                     learner.step(loss.item(), len(batch[1]), time.monotonic())

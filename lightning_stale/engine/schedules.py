@@ -1,7 +1,8 @@
 """Lightning's LR scheduler configs, stepped by whoever applies the updates instead of by
 Lightning's loop: ``"step"`` intervals count server updates (H steps each with local updates, as
 ``trainer.global_step``: docs/how-to/local-updates.md), ``"epoch"`` ones epochs after validation;
-a ``ReduceLROnPlateau`` reads its ``monitor`` among the logged metrics."""
+a ``ReduceLROnPlateau`` reads its ``monitor`` among the logged metrics. `LearnerSchedules`: a real
+learner's inner optimizer's, with local updates."""
 
 from __future__ import annotations
 
@@ -70,6 +71,40 @@ class Schedules:
         for config, s in zip(self.configs, states):
             config.scheduler.load_state_dict(s)
         self.sync_options()
+
+
+class LearnerSchedules(Schedules):
+    """A real learner's inner optimizer's schedulers with local updates (docs/how-to/local-updates.md,
+    "What steps, epochs and schedules count"), stepped by the learner itself along the server's
+    trajectory: the server's version v stands for v x H inner steps, so before a round that starts
+    from version v the step-interval schedulers are brought to step v x H (`follow`), and all H
+    inner steps of the round run at that learning rate. This is the simulated engine's meaning
+    (`SimulatedServer`: the schedule advances H steps at every update, and a round runs at the
+    value of the server's update count when it is computed): the same value wherever a pushed
+    round's version is the server's latest when it arrives, as under the sync family (a stale
+    round is cancelled there); under the async family a round of staleness s ran at the value s x H
+    steps earlier than the simulated engine's, which computes it at its push. Epoch-interval
+    schedulers step once an epoch has ended (`epoch_ended`), after the step-interval ones reached
+    the server's version at that end, as the simulated engine orders them. Each learner steps its
+    own copies; a ``ReduceLROnPlateau`` would read each learner's own logged metrics, so it is
+    refused (`strategies.learner_rounds`)."""
+
+    def __init__(self, configs: Sequence[Any], optimizer: Optimizer, steps_per_update: int) -> None:
+        assert not any(c.reduce_on_plateau for c in configs), "refused at setup"
+        super().__init__(configs, optimizer, steps_per_update=steps_per_update)
+        self.followed = 0  # the server version the step-interval schedulers stand at
+
+    def follow(self, version: int) -> None:
+        """Bring the step-interval schedulers to the server's ``version`` (never back)."""
+        while self.followed < version:
+            self.followed += 1
+            self.before_step()  # (torch warns of a scheduler stepped before its optimizer)
+            self.after_update(self.followed)
+
+    def epoch_ended(self, epoch: int, version: int) -> None:
+        """The server's epoch ``epoch`` (from 0) ended at its ``version``."""
+        self.follow(version)
+        self.end_epoch(epoch, {})
 
 
 def _step(config: Any, metrics: Mapping[str, float]) -> None:

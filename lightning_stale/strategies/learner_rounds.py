@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.local_steps import LocalSteps
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.strategies.lightning_api import set_global_step
@@ -19,6 +20,8 @@ class LearnerRounds:
     """Mixin for `StaleStrategy` (which provides the learner, the closure's run and the counters)."""
 
     _outer: OuterFactory | None
+    _schedulers: list  # Lightning's LR scheduler configs (`take_over_schedulers`)
+    optimizers: list
     _batch_samples: int  # the samples of this inner step's micro-batches (the strategy counts them)
     _rounds: LocalSteps | None = None  # this rank's rounds of local updates (set at train start)
 
@@ -36,12 +39,24 @@ class LearnerRounds:
         return "central" if self.local_updates and server == "auto" else server  # ("auto" chooses it)
 
     def refuse_schedulers(self, schedulers: list) -> None:
-        """LR schedulers are refused with local updates (at setup, where they are known)."""
-        if self.local_updates and schedulers:
-            raise ValueError(f"StaleStrategy with local_steps={self.local_steps} cannot run LR schedulers "
-                             f"({len(schedulers)} configured): each learner's inner optimizer would need "
-                             "them stepped by inner steps along the server's trajectory; use a constant "
-                             "learning rate, or SimulatedStaleStrategy for scheduled local updates")
+        """With local updates, each learner steps its inner optimizer's LR schedulers along the
+        server's trajectory (`engine.schedules.LearnerSchedules`); a ``ReduceLROnPlateau`` is
+        refused (at setup, where the schedulers are known): each learner would step it on the
+        metrics it logged itself, and the learners' learning rates would part."""
+        plateaus = [type(c.scheduler).__name__ for c in schedulers if c.reduce_on_plateau]
+        if self.local_updates and plateaus:
+            raise ValueError(f"StaleStrategy with local_steps={self.local_steps} cannot run {plateaus[0]}: "
+                             "each learner would step it on its own logged metrics, so the learners' "
+                             "learning rates would part; use a schedule of the step or epoch count "
+                             "(LambdaLR, StepLR, CosineAnnealingLR, ...), or SimulatedStaleStrategy for "
+                             "ReduceLROnPlateau with local updates")
+
+    def start_rounds(self, learner: Learner) -> LocalSteps | None:
+        """This rank's rounds of local updates (None without them), its inner optimizer's LR
+        schedulers stepped along the server's trajectory."""
+        if not self.local_updates:
+            return None
+        return LocalSteps(learner, self.optimizers[0], self.local_steps, self._schedulers)
 
     def max_updates(self, max_steps: int) -> int:
         """The server's limit: with local updates ``max_steps`` counts inner steps, H per server

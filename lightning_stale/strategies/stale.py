@@ -150,14 +150,18 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
     on global rank 0 holds the server's counters (after a failure, those at the failure).
 
     With local updates, one Lightning training step is one inner step of this learner, and
-    ``trainer.global_step`` is H x the server updates its parameters come from: ``max_steps``
-    and ``estimated_stepping_batches`` count inner steps (the server stops after
-    ceil(max_steps / H) updates), as on `SimulatedStaleStrategy` and under DDP with model
-    averaging; gradient clipping applies to each inner step; ``"auto"`` runs them central; on the
-    collective path an update's pseudo-gradients meet in one all-reduce and every learner applies
-    the outer step. Refused with them, naming what to use instead: the sharded path, ``adaptive_h``,
-    ``record_events``, ``payload_channels``, ``on_learner_failure="continue"``, ``adaptive_k``, the
-    "norm" compensation (at construction), LR schedulers (at setup), ``ckpt_path`` resumes.
+    ``trainer.global_step`` is H x the server updates its parameters come from: ``max_steps``,
+    ``estimated_stepping_batches`` and the step-interval LR schedulers count inner steps, as on
+    `SimulatedStaleStrategy` and under DDP with model averaging (ceil(max_steps / H) updates). Each
+    learner steps its own schedulers: a round from server version v runs its H inner steps at the
+    schedule's value of inner step v x H (the simulated engine's; under the async family s x H steps
+    before it for a push of staleness s), epoch-interval ones at every epoch's end. ``"auto"`` runs
+    them central; on the collective path an update's pseudo-gradients meet in one all-reduce and
+    every learner applies the outer step. Refused with them, naming what to use instead: the
+    sharded path, ``adaptive_h``, ``record_events``, ``payload_channels``,
+    ``on_learner_failure="continue"``, ``adaptive_k`` and the "norm" compensation (at
+    construction), ``ReduceLROnPlateau`` (at setup), and resuming with ``ckpt_path`` (the learners'
+    inner states are not saved). Clipping applies to each inner step.
     """
 
     strategy_name = "stale"
@@ -307,7 +311,7 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
             variant, limits, options, self._resume, self._clip, lanes=lanes)
         self._learner, self._resume, self._side = learner, None, learner.exchange
-        self._rounds = LocalSteps(learner, self.optimizers[0], self.local_steps) if self.local_updates else None
+        self._rounds = self.start_rounds(learner)
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]
         self._checkpoint = None if self._server is None else path_named(self.path).checkpoint(CheckpointView(
             self._server, self.lightning_module, optimizer=lambda: self.optimizers[0], learner=lambda: self._learner,

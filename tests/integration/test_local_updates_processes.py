@@ -54,3 +54,15 @@ def test_the_collective_path_all_reduces_rounds_across_processes_and_keeps_the_c
     assert run["replicas_agree"] and run["module_matches_server"]
     assert run["outer"] == "SGD" and run["outer_momentum"] and all(run["outer_momentum"])
     assert run["losses"][-1] < run["losses"][0]
+
+
+def test_each_learner_steps_the_inner_schedule_along_the_servers_trajectory(runs):
+    """Each process steps its own copy of the cosine schedule (the server steps none): at the stop
+    both stand at the final version's inner step, global_step, with the cosine's learning rate
+    there: 0.1 x (1 + cos(pi x 60 / 120)) / 2 = 0.05."""
+    run = runs["scheduled_sync"]
+    assert run["stats"]["updates"] == 20 and run["global_step"] == 60 and books_balance(run["stats"])
+    (rank0,), (rank1,) = run["schedules"]
+    assert rank0 == rank1 and rank0[0] == 60 and rank0[1] == pytest.approx(0.05)
+    assert all(schedules == [] for name, r in runs.items() if name != "scheduled_sync"
+               for schedules in r["schedules"])

@@ -9,9 +9,10 @@ import time
 
 import pytest
 import torch
+from pytorch_lightning.loggers import Logger
 
 import user_modules as um
-from inprocess import InProcessRun, blob_batches, isclose
+from inprocess import InProcessRun, blob_batches, isclose, optimizer_and_schedulers
 from lightning_stale import StaleStrategy
 from lightning_stale.engine.state import ModelVectors
 
@@ -37,20 +38,26 @@ def books_balance(stats):
                                            + stats["gradients_pending"] + stats["gradients_in_flight_at_stop"])
 
 
-def expected_pushes(run: InProcessRun, h: int, buffers: bool = False) -> dict[int, torch.Tensor]:
+def expected_pushes(run: InProcessRun, h: int, buffers: bool = False, lr_of=None) -> dict[int, torch.Tensor]:
     """By hand, every usable push's pseudo-gradient: the learner's H inner steps (its module's
     own optimizer, torch's, whose state each learner carries from its previous push) on its
     mini-batches ``batch - H + 1 .. batch`` from the server's parameters and buffers of the
-    push's version, minus where they end (with ``buffers``: the buffers where they end)."""
+    push's version, minus where they end (with ``buffers``: the buffers where they end).
+    ``lr_of(push, n, j)``: the learning rate of the push's inner step j (from 0), n being the
+    learner's pushes before it (None: the optimizer's own, unscheduled)."""
     expected = {}
     for learner in range(run.p):
         module = copy.deepcopy(run.module)
         vectors = ModelVectors.of(module)
-        optimizer = module.configure_optimizers()
-        for push in sorted((p for p in run.pushes if p.learner == learner), key=lambda p: p.id):
+        optimizer, _ = optimizer_and_schedulers(module)  # (its schedule: ``lr_of``)
+        mine = sorted((p for p in run.pushes if p.learner == learner), key=lambda p: p.id)
+        for n, push in enumerate(mine):
             start = run.versions[push.version]
             vectors.load_state(start)
-            for batch in range(push.batch - h + 1, push.batch + 1):
+            for j, batch in enumerate(range(push.batch - h + 1, push.batch + 1)):
+                if lr_of is not None:
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr_of(push, n, j)
                 optimizer.zero_grad()
                 run.loss(module, run.batches(learner, batch)).backward()
                 optimizer.step()
@@ -60,12 +67,13 @@ def expected_pushes(run: InProcessRun, h: int, buffers: bool = False) -> dict[in
 
 
 def check_outer_rule(run: InProcessRun, h: int, lr: float = 1.0, momentum: float = 0.0,
-                     nesterov: bool = False) -> None:
+                     nesterov: bool = False, inner_lr=None) -> None:
     """Every update is w_{j+1} = w_j - lr * d_j for the mean Delta_j of its K pseudo-gradients
     (each weighted by the update's staleness compensation, if any), with d_j = Delta_j (plain averaging: lr 1) or SGD's Nesterov step: b_j = mu b_{j-1} + Delta_j
-    (b_1 = Delta_1), d_j = Delta_j + mu b_j (torch.optim.SGD; DiLoCo, Douillard et al. 2023)."""
+    (b_1 = Delta_1), d_j = Delta_j + mu b_j (torch.optim.SGD; DiLoCo, Douillard et al. 2023).
+    ``inner_lr``: `expected_pushes`' ``lr_of`` (a scheduled inner optimizer)."""
     assert [u.update.index for u in run.updates] == list(range(1, len(run.updates) + 1))
-    pushes = expected_pushes(run, h)
+    pushes = expected_pushes(run, h, lr_of=inner_lr)
     momentum_buffer = None
     for recorded in run.updates:
         update = recorded.update
@@ -215,6 +223,93 @@ def test_k_batch_sync_pushers_start_each_round_from_the_version_they_hold():
     assert books_balance(run.stats)
 
 
+# ------------------------------------------------------------------ the inner optimizer's LR schedules
+WARMUP = 10  # inner steps of the warm-up
+
+
+class WarmupAdamWClassifier(um.Classifier):
+    """DiLoCo's inner AdamW with a linear warm-up, as users write it (a step-interval LambdaLR)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / WARMUP))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def warmup_lr(step: int) -> float:
+    return 0.01 * min(1.0, (step + 1) / WARMUP)
+
+
+class StepDecayClassifier(MomentumClassifier):
+    """SGD with momentum whose learning rate halves every 3 inner steps (a step-interval StepLR)."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+def step_decay_lr(step: int) -> float:
+    return 0.05 * 0.5 ** (step // 3)
+
+
+def check_schedule(run: InProcessRun, h: int, schedule, **outer) -> None:
+    """The simulated engine's meaning (docs/how-to/local-updates.md): the schedule advances H
+    inner steps at every server update, and a round from version v runs all its H inner steps at
+    the schedule's value of inner step v x H. Checked on every inner step each learner took
+    (abandoned rounds' too), on every update (the pushes recomputed by hand at those rates), and
+    against what it must not be: each alternative's pushes differ from what was pushed."""
+    for rank, steps in run.inner_lrs.items():
+        assert steps, f"learner {rank} took no inner step"
+        for version, lrs in steps:
+            assert lrs == pytest.approx([schedule(version * h)] * len(lrs)), f"learner {rank}, version {version}"
+    assert len({lrs[0] for steps in run.inner_lrs.values() for _, lrs in steps}) > 2  # the rate moved
+    check_outer_rule(run, h, inner_lr=lambda push, n, j: schedule(push.version * h), **outer)
+    wrong = {
+        "ignored": lambda push, n, j: schedule(0),
+        "stepped once per update": lambda push, n, j: schedule(push.version),
+        "stepped by the learner's own inner steps": lambda push, n, j: schedule(n * h + j),
+        "stepped within the round": lambda push, n, j: schedule(push.version * h + j),
+    }
+    usable = [p for p in run.pushes if p.payload is not None]
+    for name, lr_of in wrong.items():
+        expected = expected_pushes(run, h, lr_of=lr_of)
+        assert any(not isclose(run.pushed(p.id).gradient, expected[p.id]) for p in usable), name
+    # at the stop every learner's schedule stands where the final parameters come from
+    for configs in run.inner_schedulers:
+        assert configs[0].scheduler.last_epoch == run.stats["updates"] * h
+
+
+def test_k_sync_inner_adamw_warmup_follows_the_servers_trajectory():
+    torch.manual_seed(0)
+    run = InProcessRun(WarmupAdamWClassifier(), blob_batches(), "k_sync", p=3, k=2,
+                       delays={0: 0.0, 1: 0.0, 2: 0.3}, max_updates=6, local_steps=2,
+                       outer_optimizer=NESTEROV).fit()
+    assert len(run.updates) == 6 and run.learners[2].cancelled >= 1  # the straggler's rounds abandoned
+    check_schedule(run, 2, warmup_lr, lr=0.7, momentum=0.9, nesterov=True)
+    assert books_balance(run.stats)
+
+
+def test_async_inner_step_decay_runs_at_the_version_each_round_started_from():
+    """Under the async family a round runs at the value of the version it pulled, however stale
+    its push then is (the simulated engine, which computes a round at its push, takes the value
+    of the server's count then: s x H steps later for a push of staleness s)."""
+    torch.manual_seed(0)
+    run = InProcessRun(StepDecayClassifier(lr=0.05), blob_batches(), "async", p=2,
+                       delays={0: 0.005, 1: 0.05}, max_updates=12, local_steps=2).fit()
+    assert max(max(u.update.staleness) for u in run.updates) >= 2  # the fast learner went on
+    check_schedule(run, 2, step_decay_lr)
+    assert books_balance(run.stats)
+
+
+def test_fully_sync_step_decay_holds_each_rounds_rate_for_all_its_inner_steps():
+    torch.manual_seed(0)
+    run = InProcessRun(StepDecayClassifier(lr=0.05), blob_batches(), "sync", p=3, max_updates=5,
+                       local_steps=2).fit()
+    assert all(starts[:5] == [(0, 0), (2, 1), (4, 2), (6, 3), (8, 4)] for starts in run.round_starts.values())
+    check_schedule(run, 2, step_decay_lr)  # (the rate halves within some rounds' span of steps: not there)
+
+
 # ------------------------------------------------------------------ the strategy's options
 def test_local_steps_are_checked_and_the_paths_without_them_refused():
     with pytest.raises(ValueError, match=r"local_steps must be an integer >= 1.*got 0"):
@@ -252,37 +347,90 @@ class OneSampleData(um.BlobData):
         self.train_set = torch.utils.data.TensorDataset(x[:1].repeat(len(x), 1), y[:1].repeat(len(y)))
 
 
-def _lightning_fit(strategy, tmp_path, ckpt_path=None, **trainer_kwargs):
+class WarmupDecayClassifier(MomentumClassifier):
+    """As users write it: a linear warm-up over the first half of the run, sized from
+    ``estimated_stepping_batches`` (LinearLR, every step), and a decay at every epoch's end."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        warmup_steps = max(1, self.trainer.estimated_stepping_batches // 2)
+        warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=warmup_steps)
+        decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return [optimizer], [{"scheduler": warmup, "interval": "step"}, {"scheduler": decay, "interval": "epoch"}]
+
+
+class RecordingLogger(Logger):
+    """What ``LearningRateMonitor`` logs, kept in memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.logged: list[tuple[int | None, dict]] = []
+
+    @property
+    def name(self):
+        return "recording"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_metrics(self, metrics, step=None):
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def _lightning_fit(strategy, tmp_path, ckpt_path=None, module=MomentumClassifier, n=32, **trainer_kwargs):
     import pytorch_lightning as pl
 
     from engines import QUIET
 
     pl.seed_everything(3, verbose=False)
-    model = MomentumClassifier(lr=0.05)
+    model = module(lr=0.05)
     options = {**QUIET, "default_root_dir": str(tmp_path), "max_steps": 7, "max_epochs": 10, **trainer_kwargs}
     trainer = pl.Trainer(strategy=strategy, **options)
     try:
-        trainer.fit(model, datamodule=OneSampleData(batch_size=8, n=32), ckpt_path=ckpt_path)
+        trainer.fit(model, datamodule=OneSampleData(batch_size=8, n=n), ckpt_path=ckpt_path)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return trainer
 
 
-def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(one_process, tmp_path):
-    from lightning_stale import SimulatedStaleStrategy
+@pytest.mark.parametrize("module", [MomentumClassifier, WarmupDecayClassifier])
+def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(one_process, tmp_path, module):
+    from pytorch_lightning.callbacks import LearningRateMonitor
 
+    from lightning_stale import SimulatedStaleStrategy
     from lightning_stale.delays import ShiftedExponential, Trace
 
-    real = _lightning_fit(StaleStrategy("sync", local_steps=3, outer_optimizer=NESTEROV,
-                                        delay=ShiftedExponential(shift=0.001, mean=0.001, seed=2),
-                                        record_trace=str(tmp_path / "delays.csv")), tmp_path / "real")
-    simulated = _lightning_fit(SimulatedStaleStrategy("sync", num_learners=1, local_steps=3,
-                                                      outer_optimizer=NESTEROV), tmp_path / "simulated")
+    # (scheduled: epochs of 6 batches, 2 pushes, which both engines end after the same update)
+    n = 32 if module is MomentumClassifier else 48
+
+    def fit(strategy, folder):
+        logger = RecordingLogger()
+        trainer = _lightning_fit(strategy, tmp_path / folder, module=module, n=n, logger=logger, log_every_n_steps=1,
+                                 callbacks=[LearningRateMonitor(logging_interval="step")])
+        return trainer, [(step, m["lr-SGD"]) for step, m in logger.logged if "lr-SGD" in m]
+
+    real, real_lrs = fit(StaleStrategy("sync", local_steps=3, outer_optimizer=NESTEROV,
+                                       delay=ShiftedExponential(shift=0.001, mean=0.001, seed=2),
+                                       record_trace=str(tmp_path / "delays.csv")), "real")
+    simulated, simulated_lrs = fit(SimulatedStaleStrategy("sync", num_learners=1, local_steps=3,
+                                                          outer_optimizer=NESTEROV), "simulated")
+    if module is WarmupDecayClassifier:
+        # the schedules read by Lightning: the warm-up stepped H times per update, the decay once
+        # at the epoch's end, and the learning rate of every inner step as the monitor logged it
+        for trainer in (real, simulated):
+            warmup, decay = (c.scheduler for c in trainer.lr_scheduler_configs)
+            assert (warmup.last_epoch, decay.last_epoch) == (9, 1) and trainer.strategy.stats["epochs"] == 1
+        assert len(real_lrs) == 9 and len({lr for _, lr in real_lrs}) >= 3
+        assert [lr for _, lr in real_lrs] == pytest.approx([lr for _, lr in simulated_lrs])
     # max_steps=7 counts inner steps, 3 per update: both stop after ceil(7 / 3) = 3 updates
     assert real.strategy.stats["updates"] == simulated.strategy.stats["updates"] == 3
     assert real.global_step == simulated.global_step == 9
-    # an epoch is one pass worth of inner steps, 4 batches: ceil(4 / 3) = 2 pushes of one learner
+    # an epoch is one pass worth of inner steps, 4 (6) batches: 2 pushes of one learner
     assert real.strategy.stats["epochs"] == 1
     assert real.strategy.stats["pushes_per_learner"] == [3]
     # the trace holds every mini-batch's draw: H per push
@@ -294,18 +442,15 @@ def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(
     assert any(not torch.equal(a, b) for a, b in zip(moved, start.parameters()))
 
 
-def test_schedulers_and_resuming_are_refused_with_local_updates(one_process, tmp_path):
+def test_plateau_schedulers_and_resuming_are_refused_with_local_updates(one_process, tmp_path):
     import pytorch_lightning as pl
 
-    class Scheduled(MomentumClassifier):
-        def configure_optimizers(self):
-            optimizer = super().configure_optimizers()
-            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 2)]
-
+    # each learner would step a ReduceLROnPlateau on its own logged metrics: refused at setup
     trainer = pl.Trainer(strategy=StaleStrategy("sync", local_steps=2, record_trace=False),
                          max_steps=4, **{**_quiet(), "default_root_dir": str(tmp_path)})
-    with pytest.raises(ValueError, match=r"local_steps=2 cannot run LR schedulers.*constant learning rate"):
-        trainer.fit(Scheduled(), datamodule=OneSampleData(batch_size=8, n=64))
+    with pytest.raises(ValueError, match=r"local_steps=2 cannot run ReduceLROnPlateau.*own logged metrics"
+                                         r".*LambdaLR, StepLR.*SimulatedStaleStrategy"):
+        trainer.fit(um.Plateau(), datamodule=OneSampleData(batch_size=8, n=64))
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
     saved = _lightning_fit(StaleStrategy("sync", local_steps=2, record_trace=False), tmp_path / "first",
                            enable_checkpointing=True, max_steps=4)

@@ -40,6 +40,7 @@ class Learner:
         self._server_error, self.server_timeout = server_error, server_timeout
         self.version = -1
         self.server_epochs = 0  # epochs the server has ended
+        self.epoch_version = 0  # the server's version at its latest epoch's end
         self._epoch_heard: int | None = None  # the epoch count of the server's latest answer
         self.phase = Phase.COMPUTING  # where this learner stands (`phases.MOVES`)
         self.stop_requested = False  # this learner asked the server to stop (`request_stop`)
@@ -137,6 +138,7 @@ class Learner:
                 # Only the epoch's own message ends it: the refreshes just before carry the new count
                 # too, and one ending it would be followed by this in the next epoch, pausing for good.
                 self.server_epochs = max(self.server_epochs, m.epoch)
+                self.epoch_version = max(self.epoch_version, m.version)
                 self._epoch_heard = max(m.epoch, self._epoch_heard or 0)
                 self._validation_state = m.payload
                 if self.paused_at is None:

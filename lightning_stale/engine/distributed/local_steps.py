@@ -9,25 +9,37 @@ mini-batch at its push. The inner optimizer's per-parameter state is the learner
 from one pushed round to the next; an abandoned round's changes to it are dropped, as the
 simulated engine, which never computes cancelled work, never makes them. (A round whose push
 is carried over an epoch's end keeps its changes, even where an update then cancels the push.)
+The inner optimizer's LR schedulers follow the server's trajectory (`schedules.LearnerSchedules`):
+a round from version v runs at their value of inner step v x H.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from torch.optim import Optimizer
 
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.local_round import LocalRound, cloned_state, give_inner_state, optimizer_params
+from lightning_stale.engine.schedules import LearnerSchedules
 
 
 class LocalSteps:
     """The rounds of ``learner`` (its exchange a local `CentralExchange`) with ``optimizer``, the
-    module's; call `begin` before each inner step's forward and `step` after its backward."""
+    module's; call `begin` before each inner step's forward and `step` after its backward.
+    ``schedulers``: Lightning's configs of the optimizer's LR schedulers, stepped here along the
+    server's trajectory (`schedules.LearnerSchedules`)."""
 
-    def __init__(self, learner: Learner, optimizer: Optimizer, local_steps: int) -> None:
+    def __init__(self, learner: Learner, optimizer: Optimizer, local_steps: int,
+                 schedulers: Sequence[Any] = ()) -> None:
         self.learner, self.optimizer, self.local_steps = learner, optimizer, local_steps
         learner.draws_per_push = local_steps  # a push's time is that of its H mini-batches
+        self.schedules: LearnerSchedules | None = None
+        if schedulers:
+            self.schedules = LearnerSchedules(schedulers, optimizer, local_steps)
+        self.epochs_ended = 0  # the server's epoch ends its epoch-interval schedulers stepped for
         self.round: LocalRound | None = None
         self.state: list | None = None  # the inner optimizer's state after the last pushed round
         self.version = -1  # the server version the round started from
@@ -37,8 +49,13 @@ class LocalSteps:
     def begin(self) -> None:
         """Start a round where none runs, from the parameters and buffers last taken. A round
         whose parameters were replaced meanwhile (new ones taken when an epoch's pause ended)
-        is abandoned first."""
+        is abandoned first. The epoch-interval schedulers step before the first inner step after
+        the learner heard of an epoch's end (the round in progress goes on at the new rate, as
+        one the simulated engine computes across an epoch's end)."""
         learner = self.learner
+        while self.schedules is not None and self.epochs_ended < learner.server_epochs:
+            self.schedules.epoch_ended(self.epochs_ended, learner.epoch_version)
+            self.epochs_ended += 1
         if self.round is not None and learner.version != self.version:
             learner.cancelled += 1
             self._abandon()
@@ -46,6 +63,7 @@ class LocalSteps:
             pulled = getattr(learner.exchange, "pulled", None)
             assert pulled is not None, "local updates start from the parameters the learner took"
             learner.vectors.load_state(pulled)
+            self._follow_server()
             self.round = LocalRound(None, self.local_steps, self.optimizer, self.state)
             self.version, self.samples, self.started_at = learner.version, 0, time.monotonic()
 
@@ -60,6 +78,7 @@ class LocalSteps:
         if not round_.step(self.optimizer, learner.vectors.params, loss, overflow):
             if learner.between_inner_steps():
                 self._abandon()
+                self._follow_server()
                 return True
             return False
         self.round = None
@@ -73,7 +92,12 @@ class LocalSteps:
         if learner.cancelled != cancelled:
             give_inner_state(self.optimizer, cloned_state(self.state))
         self.pushed = learner.pushes > pushes
+        self._follow_server()  # (the schedule stands where the parameters held come from, the final ones too)
         return True
+
+    def _follow_server(self) -> None:
+        if self.schedules is not None:
+            self.schedules.follow(max(self.learner.version, 0))
 
     def _abandon(self) -> None:
         """Drop the round and what it did to the inner optimizer's state."""

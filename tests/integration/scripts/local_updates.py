@@ -27,16 +27,20 @@ RUNS = {
     # learner's round; each process applies DiLoCo's outer step to its own copy; short epochs
     "k_sync_collective": dict(variant="k_sync", k=1, local_steps=3, outer_optimizer=DILOCO, server="collective",
                               delay=ShiftedExponential(shift=0.002, mean=0.02, seed=1)),
+    # the inner optimizer's cosine schedule (over 120 inner steps), stepped by each learner
+    "scheduled_sync": dict(variant="sync", local_steps=3),
 }
 TRAINER = {"async_epochs": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60),
-           "k_sync_collective": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60)}
+           "k_sync_collective": dict(limit_train_batches=12, check_val_every_n_epoch=1, max_steps=60),
+           "scheduled_sync": dict(limit_train_batches=12, max_steps=60)}
+MODEL = {"scheduled_sync": dict(scheduler="cosine", scheduler_interval="step", schedule_length=120)}
 results = {}
 trainer = None
 for name, options in RUNS.items():
     pl.seed_everything(0)
     dm = DigitsDataModule(batch_size=16)
     hidden = (1200,) if name == "sync_diloco" else (64,)
-    model = Classifier(MLP(dm.input_shape, dm.num_classes, hidden), lr=0.1)
+    model = Classifier(MLP(dm.input_shape, dm.num_classes, hidden), lr=0.1, **MODEL.get(name, {}))
     capture = CaptureRecords()
     options = {"delay": ShiftedExponential(shift=0.001, mean=0.002, seed=1), **options}
     trainer = pl.Trainer(accelerator="cpu", devices=2, callbacks=[capture],
@@ -51,9 +55,13 @@ for name, options in RUNS.items():
         outer_state = [s["momentum_buffer"].tolist() for s in state.optimizer.state.values()]
         replicas = on_every_rank([[p.tolist() for p in state.params], outer_state,
                                   [p.tolist() for p in model.parameters()]])
+    schedules = [(c.scheduler.last_epoch, c.scheduler.optimizer.param_groups[0]["lr"])
+                 for c in trainer.lr_scheduler_configs]
+    schedules = on_every_rank(schedules)  # (a collective: before rank 0's results)
     if trainer.global_rank == 0:
         results[name] = summary(trainer, capture)
         results[name]["global_step"] = trainer.global_step
+        results[name]["schedules"] = schedules  # per rank: (last_epoch, lr) of each scheduler
         results[name]["module_matches_server"] = all(
             torch.equal(a, b) for a, b in zip(model.parameters(), state.params))
         results[name]["outer"] = type(state.optimizer).__name__

@@ -129,9 +129,11 @@ class CentralPath(ServerPath):
                              if on_host else CentralExchange(vectors, device=vectors.device, local=local))
         # Rank 0's pushes stay on the device, beside the server; so do those on device channels.
         on_device = frozenset({0, *(dst for src, dst in channels if src == 0)})
+        # (with local updates the schedulers are the inner optimizer's, which each learner steps
+        # itself along the server's trajectory: `local_steps.LocalSteps`; the server steps none)
         return RankParts(lambda endpoint: CentralExchange(vectors, device=vectors.device, local=local),
                          CentralPayloads(vectors, on_device=on_device),
-                         ServerState(ctx.module, ctx.optimizer, ctx.schedulers, clip=ctx.clip,
+                         ServerState(ctx.module, ctx.optimizer, () if local else ctx.schedulers, clip=ctx.clip,
                                      outer=options.outer, steps_per_update=options.local_steps))
 
     def checkpoint(self, view: CheckpointView) -> CheckpointPart:
