@@ -398,8 +398,10 @@ def _lightning_fit(strategy, tmp_path, ckpt_path=None, module=MomentumClassifier
     return trainer
 
 
-@pytest.mark.parametrize("module", [MomentumClassifier, WarmupDecayClassifier])
-def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(one_process, tmp_path, module):
+@pytest.mark.parametrize("module,server", [(MomentumClassifier, "central"), (WarmupDecayClassifier, "central"),
+                                           (WarmupDecayClassifier, "collective")])
+def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(one_process, tmp_path, module,
+                                                                                  server):
     from pytorch_lightning.callbacks import LearningRateMonitor
 
     from lightning_stale import SimulatedStaleStrategy
@@ -414,7 +416,7 @@ def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(
                                  callbacks=[LearningRateMonitor(logging_interval="step")])
         return trainer, [(step, m["lr-SGD"]) for step, m in logger.logged if "lr-SGD" in m]
 
-    real, real_lrs = fit(StaleStrategy("sync", local_steps=3, outer_optimizer=NESTEROV,
+    real, real_lrs = fit(StaleStrategy("sync", local_steps=3, outer_optimizer=NESTEROV, server=server,
                                        delay=ShiftedExponential(shift=0.001, mean=0.001, seed=2),
                                        record_trace=str(tmp_path / "delays.csv")), "real")
     simulated, simulated_lrs = fit(SimulatedStaleStrategy("sync", num_learners=1, local_steps=3,

@@ -249,7 +249,8 @@ class CollectivePath(ServerPath):
         return variant.name in ("sync", "k_sync") and variant.k == variant.p > 1 and adaptive is None
 
     def build(self, ctx: RankContext) -> RankParts:
-        schedules = Schedules(ctx.schedulers, ctx.optimizer)
+        # with local updates each learner's rounds step its schedulers (`LocalSteps`), not updates
+        schedules = Schedules([] if ctx.options.outer is not None else ctx.schedulers, ctx.optimizer)
         if ctx.resume is not None:
             schedules.load_states(ctx.resume.get("schedulers", []))
         device, options = ctx.vectors.device, ctx.options
