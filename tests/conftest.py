@@ -1,11 +1,31 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the quick loop's two workers."""
 
+import os
 from pathlib import Path
 
 import pytest
 
 import isolation
 from datafiles import make_cifar, make_mnist, write_trace
+
+QUICK_LOOP = "not slow"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The quick loop (``pytest -m "not slow"``) runs on two worker processes (pytest-xdist,
+    stealing work from each other) on a machine with two cores or more: its tests are in-process
+    and single-threaded (`one_intra_op_thread`), so one process leaves a core idle. ``-n 0`` (or
+    ``-p no:xdist``) runs it in one process; any other selection, the whole suite included, runs
+    in one process as it is, because its launches of real processes take the second core
+    (tests/integration/launches.py)."""
+    option = config.option
+    if (getattr(option, "numprocesses", "no xdist") is None and "PYTEST_XDIST_WORKER" not in os.environ
+            and option.markexpr.strip() == QUICK_LOOP and (os.cpu_count() or 1) >= 2
+            and not option.usepdb and not option.collectonly):
+        option.numprocesses = 2
+        if option.dist == "no":
+            option.dist = "worksteal"
 
 
 @pytest.fixture(scope="session")
