@@ -1,6 +1,7 @@
 """The allocator setting the strategy makes at its first fit (`engine.distributed.allocator`),
 checked in a fresh interpreter: glibc's counters say whether a large vector was mapped fresh
-from the system or served from memory the process had freed."""
+from the system or served from memory the process had freed. The interpreter loads the module
+from its file, without the package (whose import brings Lightning, seconds for nothing here)."""
 
 import subprocess
 import sys
@@ -8,11 +9,18 @@ import sys
 import pytest
 
 from lightning_stale import StaleStrategy
+from lightning_stale.engine.distributed import allocator
 
 CHECK = """
 import ctypes
+import importlib.util
+import sys
 import torch
-from lightning_stale.engine.distributed.allocator import hold_freed_memory
+
+spec = importlib.util.spec_from_file_location("allocator", sys.argv[1])
+allocator = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(allocator)
+hold_freed_memory = allocator.hold_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -37,7 +45,8 @@ print(fresh_by_default, took, held, held_again)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and mallinfo2")
 def test_large_freed_vectors_are_reused_once_held():
-    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", CHECK, allocator.__file__], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     fresh_by_default, took, held, held_again = done.stdout.split()
     assert fresh_by_default == "True"  # glibc's default: a block this large is mapped, and unmapped on free
