@@ -150,6 +150,7 @@ for clean in {teardowns}:  # registered once, however many teardowns
 """
 
 
+@pytest.mark.slow
 def test_the_process_groups_are_destroyed_at_exit_only_if_no_teardown_failed(tmp_path):
     """A clean teardown after a failed one (a validate after a failed fit) must not have the
     broken groups destroyed at exit, by this project's hook or by Lightning's (registered for
