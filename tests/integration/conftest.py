@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from exit_runs import run_exiting, run_leaving
 from fault_runs import RESUMES, run_case
 from launches import Launches
 from processes import free_port, run_crash, run_race, run_script, run_two_nodes
@@ -19,7 +20,10 @@ HERE = Path(__file__).parent
 
 # name: (the test file, its fixture that takes the launch's result, the launch, given a folder)
 LAUNCHES = {
+    "advisor_sweep": ("test_advisor_sweep.py", "advised", lambda folder: run_script("advisor_sweep.py", folder)),
     "race": ("test_app_command_line.py", "race", run_race),
+    "exit_groups": ("test_exit_handling.py", "exiting", run_exiting),
+    "gloo_exit": ("test_exit_handling.py", "leaving", run_leaving),
     "variants": ("test_engine_processes.py", "variants", lambda folder: run_script("variants.py", folder)),
     "paths": ("test_engine_processes.py", "paths", lambda folder: run_script("paths.py", folder)),
     "transport": ("test_engine_processes.py", "transports",

@@ -124,32 +124,6 @@ def test_command_line_on_a_small_trace(tmp_path, capsys):
     assert "pushes must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_digits_recommendation_matches_an_exhaustive_sweep(tmp_path):
-    """A recorded shifted-exponential trace, replayed: the advisor's choice is, within noise, the
-    best of an exhaustive sweep of every variant and K run with the true law on other seeds."""
-    true = ShiftedExponential(0.01, 0.05, seed=5)
-    trace = recorded_trace(tmp_path / "t.csv", true, 4, 300)
-    advice = advise(trace, 4, overrides=["model.lr=0.3"], pushes=600, adaptive=False,
-                    et_updates=500, progress=None)
-    chosen = advice.best
-    assert chosen is not None
-    truth = Sweep(compose_config("train", ["model.lr=0.3", "seed=1"]), 4,
-                  ShiftedExponential(0.01, 0.05, seed=9), advice.budget_s, progress=None)
-    # every variant and K: one run per distinct process (K-sync with K = P is Fully sync, ...)
-    timed = {(run.variant, run.k): run.time_to(advice.target, advice.window)
-             for run in truth.run_all(configurations(4, distinct=True))}
-    exhaustive = {config: timed[same_as(*config, 4)] for config in configurations(4, distinct=False)}
-    best = min((t, config) for config, t in exhaustive.items() if not math.isnan(t))
-    # noise: how far two independent estimates of the same configuration's time fall apart
-    # (the advisor's sweep against the exhaustive one), the median over configurations
-    differences = [abs(advice.time_of(run) / exhaustive[(run.variant, run.k)] - 1)
-                   for run in advice.runs
-                   if not math.isnan(advice.time_of(run) + exhaustive[(run.variant, run.k)])]
-    noise = float(np.median(differences))
-    assert exhaustive[(chosen.variant, chosen.k)] <= best[0] * (1 + 2 * noise)
-
-
 def test_console_script_points_at_main():
     from importlib import import_module
     from pathlib import Path

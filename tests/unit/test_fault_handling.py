@@ -4,8 +4,6 @@ processes, are in tests/integration/test_faults.py."""
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 from types import SimpleNamespace
 
@@ -134,79 +132,3 @@ def test_a_fit_failing_before_training_writes_no_wall_clock_log(tmp_path):
     wall.setup(trainer, None, "fit")
     wall.on_exception(trainer, None, ValueError("in configure_optimizers"))
     assert list(tmp_path.iterdir()) == []
-
-
-EXITING = """
-import atexit
-import torch.distributed as dist
-from lightning_fabric.utilities.distributed import _destroy_dist_connection
-from lightning_stale.strategies.faults import destroy_groups_at_exit
-dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
-atexit.register(_destroy_dist_connection)  # as Lightning does where the default group is NCCL
-destroy = dist.destroy_process_group
-dist.destroy_process_group = lambda *args: (print("destroyed", flush=True), destroy(*args))
-for clean in {teardowns}:  # registered once, however many teardowns
-    destroy_groups_at_exit(clean=clean)
-"""
-
-
-@pytest.mark.slow
-def test_the_process_groups_are_destroyed_at_exit_only_if_no_teardown_failed(tmp_path):
-    """A clean teardown after a failed one (a validate after a failed fit) must not have the
-    broken groups destroyed at exit, by this project's hook or by Lightning's (registered for
-    NCCL, unbounded: a NCCL destroy waits for an operation stuck on a dead peer). One process
-    per sequence of teardowns (what happens at exit is the subject), the three side by side."""
-    cases = {"all-clean": [True, True], "failed-last": [True, False], "clean-after-a-failure": [False, True]}
-    started = {name: subprocess.Popen([sys.executable, "-c", EXITING.format(store=tmp_path / name, teardowns=teardowns)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for name, teardowns in cases.items()}
-    ended = {name: process.communicate(timeout=120) for name, process in started.items()}
-    for name, teardowns in cases.items():
-        stdout, stderr = ended[name]
-        assert started[name].returncode == 0, (name, stderr)
-        assert stdout.split() == (["destroyed"] if all(teardowns) else []), name
-
-
-LEAVING = """
-import os, sys, threading, time
-import torch, torch.distributed as dist
-from lightning_stale.strategies.faults import exit_before_finalization
-rank, hook = int(sys.argv[1]), sys.argv[2] == "1"
-dist.init_process_group("gloo", init_method="file://{store}", rank=rank, world_size=2)
-if rank == 0:  # a peer slower to leave: it exits once rank 1 finalizes, or has ended (the
-    for _ in range(1200):  # test says so: with the hook, rank 1 ends before finalizing)
-        if os.path.exists("{store}.finalizing") or os.path.exists("{store}.ended"):
-            break
-        time.sleep(0.05)
-    os._exit(0)
-threading.Thread(target=dist.recv, args=(torch.empty(4), 0), daemon=True, name="stale-mesh-recv-0").start()
-if hook:
-    exit_before_finalization()
-
-class SlowToCollect:  # collected as rank 1 finalizes: it tells rank 0, and outlasts its exit
-    def __del__(self):
-        open("{store}.finalizing", "w").close()
-        time.sleep(2.0)
-
-sys.modules["slow_to_collect"] = SlowToCollect()
-raise RuntimeError("optimizer step failed")
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("hook", [False, True], ids=["finalized", "exit-before-finalization"])
-def test_a_failed_process_with_a_thread_in_a_gloo_receive_exits_with_status_1(hook, tmp_path):
-    """A thread still blocked in a gloo receive when Python finalizes, whose peer then exits,
-    aborts the process (SIGABRT) unless `exit_before_finalization` ends it first: status 1,
-    the original error printed."""
-    code = LEAVING.format(store=tmp_path / "store")
-    peers = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(int(hook))], stderr=subprocess.PIPE,
-                              text=True) for rank in (0, 1)]
-    stderr = peers[1].communicate(timeout=60)[1]
-    (tmp_path / "store.ended").touch()
-    peers[0].communicate(timeout=60)
-    assert "RuntimeError: optimizer step failed" in stderr
-    if hook:
-        assert peers[1].returncode == 1 and "terminate called" not in stderr, stderr
-    else:  # what the hook prevents, shown to happen
-        assert peers[1].returncode == -signal.SIGABRT, stderr
