@@ -2,7 +2,7 @@
 ``pytest -m "not slow"`` is the quick loop.
 
 Every launch that a selected test needs starts in the background when the session does
-(launches.py): one at a time while the unit tests run, which are ordered first, two at a time
+(launches.py): one at a time while the unit tests run, which are ordered first, three at a time
 once the tests here wait for their results (``launched(name)``). Much of a launch is importing
 Lightning in one process after the other, so it takes the core a unit test leaves free.
 """

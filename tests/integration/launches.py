@@ -1,7 +1,9 @@
 """Launches of real processes, run in the background from the start of the session: one at a
 time while the unit tests run in the foreground (a launch is mostly one process importing
-Lightning at a time, so it takes the core the unit tests leave), two at a time once a test waits
-for a result (`Launches.result`)."""
+Lightning at a time, so it takes the core the unit tests leave), three at a time once a test
+waits for a result (`Launches.result`): a launch also waits, for its processes to start, for a
+timeout it tests, for a peer, and uses about three quarters of a core on average, so two leave
+much of two cores idle."""
 
 from __future__ import annotations
 
@@ -28,10 +30,10 @@ class Launches:
         self._dispatcher.start()
 
     def result(self, name: str) -> Any:
-        """The launch's result (or its exception), waiting for it; from now on, two at a time."""
+        """The launch's result (or its exception), waiting for it; from now on, three at a time."""
         if not self._full_speed.is_set():
             self._full_speed.set()
-            self._slots.release()  # a second slot: the foreground waits, its core is free
+            self._slots.release(2)  # the foreground waits: its core is free, and so are the waits
         return self._futures[name].result()
 
     def stop(self) -> None:

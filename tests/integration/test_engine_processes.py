@@ -16,7 +16,7 @@ from processes import books_balance
 
 @pytest.fixture(scope="module")
 def variants(launched):
-    return launched("variants")  # two at a time with other launches (tests/integration/conftest.py)
+    return launched("variants")  # beside other launches (tests/integration/conftest.py)
 
 
 @pytest.mark.parametrize("name", ["sync", "k_sync", "k_batch_sync", "async", "k_async", "k_batch_async"])
