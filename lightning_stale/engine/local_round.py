@@ -97,24 +97,24 @@ class LocalRound:
 
 
 def pseudo_gradient_push(vectors: ModelVectors, pulled: Tensor, present: Tensor | None = None,
-                         device: torch.device | None = None,
-                         out: Tensor | Any | None = None) -> tuple[Tensor, bool]:
+                         device: torch.device | None = None, out: Tensor | Any | None = None,
+                         mask: bool = False) -> tuple[Tensor, bool]:
     """A round's push in `ModelVectors.push_vector`'s layout, so that the server splits it as a
     gradient: the pseudo-gradient (``pulled``, the `state_vector` the round started from, minus
     the learner's current parameters), its current buffers and, where some parameter got no
-    gradient in the whole round (``present``: which did), the presence mask; and its presence.
-    ``out``: a vector, or a function of the size giving one (a shared-memory slot) or None."""
+    gradient in the whole round (``present``: which did, one entry per parameter) or ``mask``
+    asks for it always, the presence mask; and whether it holds one. ``out``: a vector, or a
+    function of the size giving one (a shared-memory slot) or None; the push is written into it
+    in place, without an intermediate copy."""
     device = torch.device("cpu") if device is None else device
-    current = vectors.state_vector(device=pulled.device)
-    pseudo = pulled[:vectors.numel] - current[:vectors.numel]
-    masked = present is not None and not bool(present.all())
-    parts = [pseudo, current[vectors.numel:]]
-    if masked:
-        assert present is not None
-        parts.append(present.to(device=pulled.device, dtype=vectors.dtype))
-    total = sum(t.numel() for t in parts)
+    n, s = vectors.numel, vectors.state_numel
+    masked = mask or (present is not None and not bool(present.all()))
+    total = s + (len(vectors.params) if masked else 0)
     place = out(total) if callable(out) else out
-    flat = torch.cat(parts)
-    if place is not None and place.numel() == total:
-        return place.copy_(flat), masked
-    return flat.to(device), masked
+    if place is None or place.numel() != total:
+        place = torch.empty(total, dtype=vectors.dtype, device=device)
+    vectors.state_vector(out=place[:s])  # the current parameters, then the buffers
+    torch.sub(pulled[:n].to(place.device), place[:n], out=place[:n])
+    if masked:
+        place[s:] = 1.0 if present is None else present.to(device=place.device, dtype=place.dtype)
+    return place, masked

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_stale.engine.distributed.messages import Kind, Message
 from lightning_stale.engine.distributed.paths.collective.path import CollectiveExchange
+from lightning_stale.engine.local_round import pseudo_gradient_push
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
 
@@ -47,17 +48,9 @@ class CollectiveLocalExchange(CollectiveExchange):
 
     def _pack(self) -> Tensor:
         """The push in the path's layout: pseudo-gradient, the learner's buffers, presence mask."""
-        n, s = self.vectors.numel, self.vectors.state_numel
         spare = self._spare.pop() if self._spare else None
-        vector = spare if spare is not None else torch.empty(self._size, dtype=self.vectors.dtype, device=self.device)
-        current = self.vectors.state_vector(device=self.device)
-        torch.sub(self.pulled[:n].to(self.device), current[:n], out=vector[:n])
-        vector[n:s] = current[n:]
-        if self.present is None:
-            vector[s:] = 1.0
-        else:
-            vector[s:] = self.present.to(device=self.device, dtype=vector.dtype)
-        return vector
+        return pseudo_gradient_push(self.vectors, self.pulled, self.present, self.device,
+                                    out=spare, mask=True)[0]
 
     def resolve(self, message: Message, check) -> None:
         """An epoch's end: validation runs on the server's parameters and buffers, not the round's."""
