@@ -269,3 +269,21 @@ def test_the_all_reduce_never_overlaps_backward_with_local_updates(monkeypatch, 
     trainer = SimpleNamespace(accumulate_grad_batches=1, callbacks=[])
     overlap, channels = options.settle_transport(strategy, trainer, Variant.create("sync", 2))
     assert (overlap, channels) == (not local_updates, None)
+
+
+@pytest.mark.parametrize("module,still", [(um.FrozenBackbone, "backbone"), (um.UnusedHead, "aux_head")],
+                         ids=["frozen-backbone", "unused-head"])
+def test_users_modules_with_frozen_or_unused_parameters_train_on_the_collective_path(module, still):
+    """A frozen backbone handed to AdamW, and a head no gradient reaches (its presence mask says
+    so): the rounds' updates by hand, the copies equal on both learners, and neither part moved
+    by AdamW's weight decay, in the rounds or through the outer step."""
+    torch.manual_seed(0)
+    model = module(lr=0.05)
+    start = [p.detach().clone() for p in getattr(model, still).parameters()]
+    run = InProcessRun(model, blob_batches(), "sync", p=2, max_updates=3, local_steps=2, path="collective").fit()
+    check_outer_rule(run, h=2)
+    replicated(run)
+    assert books_balance(run.stats)
+    for learner in run.modules:
+        assert all(torch.equal(a, b) for a, b in zip(getattr(learner, still).parameters(), start))
+    assert any(not torch.equal(a, b) for a, b in zip(run.modules[0].net.parameters(), model.net.parameters()))
