@@ -90,13 +90,14 @@ def test_an_exception_on_a_learner_ends_every_process_naming_it(runs, case, fail
     # (faults.py's "optimizer_collective", an exception in a learner's own optimizer step, takes
     # the same way out: left out of the suite for time)
     ("training_step_collective", 1, "learner 1 failed: ValueError: boom"),
+    ("training_step_collective_local", 1, "learner 1 failed: ValueError: boom"),
     # sharded: a shard owner's optimizer step raises on its thread (rank 0's); every process
     # exits with status 1, none by SIGABRT (threads blocked in a gloo receive at exit)
     ("optimizer_sharded", None, "the shard server on rank 0 failed: RuntimeError: optimizer step failed"),
 ])
 def test_an_exception_on_a_scaled_path_ends_every_process_naming_it(runs, case, failed, cause):
     run = runs(case)
-    assert run.rank0["stats"]["server_path"] == case.rsplit("_", 1)[1]
+    assert run.rank0["stats"]["server_path"] == next(path for path in ("collective", "sharded") if path in case)
     others = [rank for rank in (0, 1) if rank != failed]
     assert_ended_at_once(run, cause, ranks=others)
     assert all(run.exceptions[rank]["type"] == "ServerFailed" for rank in others)

@@ -71,6 +71,8 @@ CASES = {
     # owners' threads in every process (sharded)
     "training_step_collective": (1, "training_step", 2, "k_sync", 2, {"server": "collective"}),
     "optimizer_collective": (0, "optimizer", 2, "k_sync", 2, {"server": "collective"}),
+    # local updates there: a learner's exception between two inner steps of its round
+    "training_step_collective_local": (1, "training_step", 2, "k_sync", 2, {"server": "collective", "local_steps": 2}),
     "training_step_sharded": (1, "training_step", 2, "k_async", 1, {"server": "sharded"}),
     "optimizer_sharded": (0, "optimizer", 2, "k_async", 1, {"server": "sharded"}),
     "sigkill_child_sharded": (1, signal.SIGKILL, 2, "k_async", 1, {"server": "sharded"}),
@@ -263,7 +265,9 @@ def report(trainer, wallclock, model):
     ckpt = OUT / "on_exception.ckpt"
     if ckpt.exists() and CASE != "resume":
         saved = torch.load(ckpt, weights_only=False)
-        state = trainer.strategy.core.state  # None off the central path: rank 0's module holds it
+        # None off the central path: rank 0's module holds it, or with local updates on the
+        # collective path its copy of the server's state (the module holds its round's)
+        state = trainer.strategy.core.state or getattr(trainer.strategy._side, "server", None)
         server = state.named_state(model) if state is not None else model.state_dict()
         result["checkpoint"] = {
             "server": saved["stale_server"],
