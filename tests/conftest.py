@@ -1,4 +1,4 @@
-"""Fixtures shared by several test files, and the quick loop's two workers."""
+"""Fixtures shared by several test files, and the two workers of the quick loop and the whole suite."""
 
 import os
 from pathlib import Path
@@ -13,15 +13,17 @@ QUICK_LOOP = "not slow"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """The quick loop (``pytest -m "not slow"``) runs on two worker processes (pytest-xdist,
-    stealing work from each other) on a machine with two cores or more: its tests are in-process
-    and single-threaded (`one_intra_op_thread`), so one process leaves a core idle. ``-n 0`` (or
-    ``-p no:xdist``) runs it in one process; any other selection, the whole suite included, runs
-    in one process as it is, because its launches of real processes take the second core
-    (tests/integration/launches.py)."""
+    """The quick loop (``pytest -m "not slow"``) and the whole suite (``pytest`` with no
+    selection) run on two worker processes (pytest-xdist, stealing work from each other) on a
+    machine with two cores or more: the unit tests are in-process and single-threaded
+    (`one_intra_op_thread`), so one process leaves a core idle. In the whole suite the worker
+    gw0 also runs the launches of real processes in the background, and every worker reads
+    their results (tests/launches.py). ``-n 0`` (or ``-p no:xdist``) runs either in
+    one process; any other selection runs in one process as it is."""
     option = config.option
+    whole_suite = not option.markexpr.strip() and not option.file_or_dir and not option.keyword
     if (getattr(option, "numprocesses", "no xdist") is None and "PYTEST_XDIST_WORKER" not in os.environ
-            and option.markexpr.strip() == QUICK_LOOP and (os.cpu_count() or 1) >= 2
+            and (option.markexpr.strip() == QUICK_LOOP or whole_suite) and (os.cpu_count() or 1) >= 2
             and not option.usepdb and not option.collectonly):
         option.numprocesses = 2
         if option.dist == "no":

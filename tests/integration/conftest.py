@@ -2,18 +2,20 @@
 ``pytest -m "not slow"`` is the quick loop.
 
 Every launch that a selected test needs starts in the background when the session does
-(launches.py): one at a time while the unit tests run, which are ordered first, three at a time
-once the tests here wait for their results (``launched(name)``). Much of a launch is importing
-Lightning in one process after the other, so it takes the core a unit test leaves free.
+(tests/launches.py), in one process of the session (xdist's worker gw0 when there are several): one at
+a time while the unit tests run, which are ordered first, more once tests here wait for their
+results (``launched(name)``). Much of a launch is importing Lightning in one process after the
+other, so it takes the core a unit test leaves free.
 """
 
+import os
 from pathlib import Path
 
 import pytest
 
 from exit_runs import run_exiting, run_leaving
 from fault_runs import RESUMES, run_case
-from launches import Launches
+from launches import LaunchResults, Launches
 from processes import free_port, run_crash, run_race, run_script, run_two_nodes
 
 HERE = Path(__file__).parent
@@ -74,15 +76,27 @@ def pytest_runtestloop(session):
     if session.config.option.collectonly or not wanted:
         return (yield)
     factory = session.config._tmp_path_factory  # (tmp_path_factory's; fixtures are not up yet)
-    launches = Launches({name: (factory.mktemp(name.replace("/", "-")), _job(name)) for name in wanted})
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None and worker != LAUNCHING_WORKER:
+        # every worker collects every test: gw0 runs the launches, the others read their results
+        session.config.stash[LAUNCHES_KEY] = LaunchResults(factory.getbasetemp().parent / "launches", worker)
+        return (yield)
+    results = factory.getbasetemp().parent / "launches" if worker else factory.mktemp("launches")
+    launches = Launches({name: (factory.mktemp(name.replace("/", "-")), _job(name)) for name in wanted}, results,
+                        per_waiting_worker=2 if worker is None else 1)
     session.config.stash[LAUNCHES_KEY] = launches
+    finish = worker is not None  # (the other workers may wait for launches after this one is done)
     try:
         return (yield)
+    except BaseException:  # (interrupted: no test waits any more)
+        finish = False
+        raise
     finally:
-        launches.stop()
+        launches.stop(finish=finish and not (session.shouldfail or session.shouldstop))
 
 
-LAUNCHES_KEY = pytest.StashKey[Launches]()
+LAUNCHING_WORKER = "gw0"
+LAUNCHES_KEY = pytest.StashKey["Launches | LaunchResults"]()
 
 
 @pytest.fixture(scope="session")

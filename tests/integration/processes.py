@@ -22,7 +22,8 @@ SESSION_ENV = dict(os.environ)
 
 
 def clean_env():
-    env = {k: v for k, v in SESSION_ENV.items() if k not in LAUNCHER_VARIABLES}
+    env = {k: v for k, v in SESSION_ENV.items()
+           if k not in LAUNCHER_VARIABLES and not k.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")])
     return env
 
@@ -60,8 +61,8 @@ def run_crash(tmp_path):
 
 
 def run_two_nodes(tmp_path):
-    """two_nodes.py under torchrun, two nodes of two processes on this host: the two finished
-    node launchers, their output, and the path of rank 0's results."""
+    """two_nodes.py under torchrun, two nodes of two processes on this host: the two node
+    launchers' exit statuses, their output, and the path of rank 0's results."""
     out = tmp_path / "result.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(SCRIPTS / "two_nodes.py"), str(out)]
@@ -69,7 +70,7 @@ def run_two_nodes(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
              for rank in (0, 1)]
     logs = [node.communicate(timeout=300)[0] for node in nodes]
-    return nodes, logs, out
+    return [node.returncode for node in nodes], logs, out
 
 
 def free_port():
