@@ -39,8 +39,10 @@ class Launches:
     wait for results: then ``per_waiting_worker`` more for each. Every result (or exception) is
     also written to ``results`` for the other workers."""
 
-    def __init__(self, jobs: dict[str, tuple[Path, Job]], results: Path, per_waiting_worker: int = 2):
+    def __init__(self, jobs: dict[str, tuple[Path, Job]], results: Path, per_waiting_worker: int = 2,
+                 controller: int | None = None):
         self._jobs, self._results, self._per_waiting = jobs, results, per_waiting_worker
+        self._controller = controller  # xdist's controller, this worker's parent: gone, start nothing more
         self._futures: dict[str, Future] = {name: Future() for name in jobs}
         self._slots = threading.Semaphore(1)
         self._waiting: set[str] = set()
@@ -58,6 +60,11 @@ class Launches:
         """The launch's result (or its exception), waiting for it."""
         self.worker_waits(os.environ.get("PYTEST_XDIST_WORKER", "main"))
         return self._futures[name].result()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether no launch starts any more."""
+        return self._stopping.is_set()
 
     def worker_waits(self, worker: str) -> None:
         """``worker`` waits for results from now on: its core is free for more launches."""
@@ -84,10 +91,14 @@ class Launches:
             future.cancel()  # (what never started)
 
     def _watch(self) -> None:
-        """Counts the other workers that wait (each leaves a flag in the results folder)."""
+        """Counts the other workers that wait (each leaves a flag in the results folder), and
+        stops the launches if the controller is gone (killed, interrupted): no test waits then."""
         while not self._stopping.wait(POLL_S):
             for flag in self._results.glob("waiting-*"):
                 self.worker_waits(flag.name.removeprefix("waiting-"))
+            if self._controller is not None and os.getppid() != self._controller:
+                self._stopping.set()
+                self._slots.release()  # (wakes the dispatcher if it waits for a slot)
 
     def _dispatch(self) -> None:
         for name, (folder, job) in self._jobs.items():

@@ -58,16 +58,20 @@ class LocalRound:
         local_steps: H.
         optimizer: the module's optimizer, which takes this learner's inner state now.
         state: that state (`take_inner_state` of its previous round), None for a fresh one.
+        give_state: False where ``optimizer`` already holds a copy of ``state`` (the real
+            engine's learner, whose optimizer keeps its state between rounds): one model-sized
+            copy fewer per round.
     """
 
     def __init__(self, finish: Any, local_steps: int, optimizer: Optimizer,
-                 state: Sequence[dict | None] | None) -> None:
+                 state: Sequence[dict | None] | None, give_state: bool = True) -> None:
         self.finish, self.local_steps = finish, local_steps
         self.done = 0
         self.losses: list[float] = []
         self.present: Tensor | None = None  # which parameters got a gradient in some step
         self.paused: Tensor | None = None  # the learner's parameters while validation runs
-        give_inner_state(optimizer, cloned_state(state))
+        if give_state:
+            give_inner_state(optimizer, cloned_state(state))
 
     def step(self, optimizer: Optimizer, params: Sequence[Tensor], loss: float, overflow: bool) -> bool:
         """One inner step on the gradients just computed (skipped on an overflow, as a grad

@@ -83,7 +83,8 @@ def pytest_runtestloop(session):
         return (yield)
     results = factory.getbasetemp().parent / "launches" if worker else factory.mktemp("launches")
     launches = Launches({name: (factory.mktemp(name.replace("/", "-")), _job(name)) for name in wanted}, results,
-                        per_waiting_worker=2 if worker is None else 1)
+                        per_waiting_worker=2 if worker is None else 1,
+                        controller=None if worker is None else os.getppid())
     session.config.stash[LAUNCHES_KEY] = launches
     finish = worker is not None  # (the other workers may wait for launches after this one is done)
     try:

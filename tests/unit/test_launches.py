@@ -96,3 +96,15 @@ def test_a_reader_fails_when_a_running_launcher_never_writes_the_result(tmp_path
     (tmp_path / LAUNCHER_PID).write_text(str(os.getpid()))
     with pytest.raises(RuntimeError, match="launch x has no result after 0 s"):
         LaunchResults(tmp_path, "gw1", timeout_s=0.3).result("x")
+
+
+def test_the_launching_worker_starts_nothing_more_once_its_controller_is_gone(tmp_path):
+    started, gate = [], threading.Event()
+    launches = Launches({name: (tmp_path, job(name, started, gate)) for name in "abc"}, tmp_path / "r",
+                        controller=os.getppid() + 1)  # (a parent this process does not have)
+    until(lambda: started == ["a"])
+    until(lambda: launches.stopping)  # (the watcher looks every 0.2 s)
+    launches.worker_waits("gw1")  # (slots for the others: none starts, the controller is gone)
+    gate.set()
+    launches.stop(finish=True)
+    assert started == ["a"]

@@ -64,7 +64,10 @@ class LocalSteps:
             assert pulled is not None, "local updates start from the parameters the learner took"
             learner.vectors.load_state(pulled)
             self._follow_server()
-            self.round = LocalRound(None, self.local_steps, self.optimizer, self.state)
+            # Every round's end leaves the optimizer a copy of self.state (its own tensors after a
+            # push, a clone after a cancellation): only a learner that never pushed needs one.
+            self.round = LocalRound(None, self.local_steps, self.optimizer, self.state,
+                                    give_state=self.state is None)
             self.version, self.samples, self.started_at = learner.version, 0, time.monotonic()
 
     def step(self, loss: float, samples: int, overflow: bool = False) -> bool:
