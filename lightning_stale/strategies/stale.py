@@ -180,7 +180,7 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
                  local_steps: int = 1, outer_optimizer: str | dict | None = None, adaptive_h: Any = None,
                  **ddp_kwargs: Any) -> None:
         server = self._init_learner_rounds(local_steps, outer_optimizer, adaptive_h, server, record_events,
-                                           payload_channels, on_learner_failure, adaptive_k, staleness_compensation)
+                                           payload_channels)
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
                       hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
