@@ -108,8 +108,11 @@ def test_a_learner_dying_mid_round_loses_that_round_and_the_others_go_on(variant
     assert mine and all(p.batch % h == h - 1 and p.batch < dies for p in mine)
     assert stats["pushes_per_learner"][2] == len(mine) == run.learners[2].pushes
     assert stats["gradients_received"] == len(run.pushes) == sum(stats["pushes_per_learner"])
-    late = run.updates[-4:]  # (the survivors' rounds after the death)
-    assert all({g.learner for g in u.update.gradients} <= {0, 1} for u in late)
+    # after its last round applied, every update takes K rounds of the survivors (K clamped to 2)
+    last = max(i for i, u in enumerate(run.updates) if any(g.learner == 2 for g in u.update.gradients))
+    after = run.updates[last + 1:]
+    assert after and all(len({g.learner for g in u.update.gradients} - {0, 1}) == 0
+                         and len(u.update.gradients) == min(k, 2) for u in after)
     assert stats["k"] == min(k, 2)
     check_outer_rule(run, h=h, **NESTEROV_RULE)  # every update, before and after the death, by hand
     assert books_balance(stats)
