@@ -133,3 +133,28 @@ def test_the_options_run_with_local_updates_on_the_paths_that_run_them():
     with pytest.raises(ValueError, match=r"'norm' staleness compensation needs the server's parameters.*'central'"):
         StaleStrategy("k_sync", 1, local_steps=4, staleness_compensation={"mode": "norm", "c": 0.05},
                       server="collective")
+
+
+# ------------------------------------------------------------------ through Lightning's loops
+def test_through_lightning_the_norm_weights_reach_the_outer_step_as_on_the_simulated_engine(one_process, tmp_path):
+    """One learner, so every round is fresh (distance 0) and the "norm" rule gives it
+    eta_max / eta = 2: the real engine must end where the simulated one does with the same
+    compensation, and elsewhere than without it."""
+    from test_local_updates_real import _lightning_fit
+
+    from lightning_stale import SimulatedStaleStrategy
+
+    norm = {"mode": "norm", "c": 0.05, "eta_max": 1.4}  # the outer lr is 0.7: weight 2
+
+    def fit(strategy, folder):
+        trainer = _lightning_fit(strategy, tmp_path / folder)
+        return [p.detach().clone() for p in trainer.lightning_module.parameters()], trainer.strategy.stats
+
+    real, stats = fit(StaleStrategy("sync", local_steps=3, outer_optimizer=NESTEROV, record_trace=False,
+                                    staleness_compensation=norm), "real")
+    simulated, _ = fit(SimulatedStaleStrategy("sync", num_learners=1, local_steps=3, outer_optimizer=NESTEROV,
+                                              staleness_compensation=norm), "simulated")
+    plain, _ = fit(SimulatedStaleStrategy("sync", num_learners=1, local_steps=3, outer_optimizer=NESTEROV), "plain")
+    assert stats["updates"] == 3
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(real, simulated))
+    assert any(not torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(real, plain))
