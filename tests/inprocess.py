@@ -38,6 +38,7 @@ from lightning_stale.engine.distributed.paths.collective.path import CollectiveP
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
+from lightning_stale.method.adaptive import AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.strategies.local_updates import outer_optimizer_factory, plain_averaging
@@ -57,12 +58,14 @@ class RecordedPush:
     batch: int  # the learner's mini-batch index
     payload: torch.Tensor | None  # the gradient and buffers as pushed (None: unusable)
     masked: bool = False  # the payload ends with a presence mask (some gradient was missing)
+    loss: float = float("nan")  # the push's loss (with local updates: its round's mean)
 
 
 @dataclass
 class RecordedUpdate:
     update: object  # method.rules.Update
     weights: tuple | None
+    k_after: int = 0  # the server's K once the update was applied (AdaSync may raise it)
 
 
 class QueueLearnerEndpoint:
@@ -134,7 +137,7 @@ class RecordingPayloads(CentralPayloads):
     def on_update(self, update, contributions, weights) -> None:
         super().on_update(update, contributions, weights)
         run = self._run
-        run.updates.append(RecordedUpdate(update, weights))
+        run.updates.append(RecordedUpdate(update, weights, run.core.rules.k))
         run.versions[update.version] = run.core.state.snapshot(update.version).clone()
 
 
@@ -148,7 +151,7 @@ class RecordingCollectivePayloads(CollectivePayloads):
 
     def on_update(self, update, contributions, weights) -> None:
         super().on_update(update, contributions, weights)
-        self._run.updates.append(RecordedUpdate(update, weights))
+        self._run.updates.append(RecordedUpdate(update, weights, self._run.core.rules.k))
 
 
 class RecordingLocalExchange(CollectiveLocalExchange):
@@ -226,6 +229,12 @@ class InProcessRun:
     # "collective": the learners all-reduce the pushes of each update among themselves (threads
     # as ranks, `thread_ranks.ThreadRanks`) and every one applies it; local updates only
     path: str = "central"
+    # AdaSync's schedule of K (`AdaptiveK.create`'s spec), and what a dead learner does to the run
+    adaptive_k: object = None
+    on_learner_failure: str = "stop"
+    # learner -> the mini-batch before whose forward it dies (its process gone: no goodbye, its
+    # round in progress lost), the server hearing of it as from a broken connection
+    die_at: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pushes: list[RecordedPush] = []
@@ -248,7 +257,7 @@ class InProcessRun:
                 usable = not message.flags & Flag.UNUSABLE
                 payload = message.payload.detach().clone() if usable and message.payload is not None else None
                 self.pushes.append(RecordedPush(self._received, message.learner, message.version, batch,
-                                                payload, bool(message.flags & Flag.MASKED)))
+                                                payload, bool(message.flags & Flag.MASKED), float(message.loss)))
                 self._received += 1
             self.server.events.put(message)
 
@@ -264,12 +273,17 @@ class InProcessRun:
         compensation = StalenessCompensation.create(self.compensation)
         collective = self.path == "collective"
         assert not collective or (self.local and variant.synchronous), "the collective path's local updates"
+        adaptive = AdaptiveK.create(self.adaptive_k, k0=variant.k)
+        if adaptive is not None:
+            adaptive.limit(self.p)
+            variant = Variant.create(self.variant, self.p, adaptive.k0)
         self.core = ServerCore(variant, None if collective else state, ServerLimits(max_updates=self.max_updates),
-                               compensation=compensation, clock=time.monotonic())
+                               adaptive=adaptive, compensation=compensation, clock=time.monotonic())
         self.versions[0] = state.snapshot(0).clone()
         self.server_vectors = ModelVectors.of(server_module)
         payloads = RecordingCollectivePayloads(self) if collective else RecordingPayloads(self.server_vectors, self)
-        self.server = ParameterServer(self.core, payloads, heartbeat_s=0.05)
+        self.server = ParameterServer(self.core, payloads, on_learner_failure=self.on_learner_failure,
+                                      heartbeat_s=0.05)
         self.endpoints = [QueueLearnerEndpoint(r, self) for r in range(self.p)]
         self.modules = [copy.deepcopy(self.module) for _ in range(self.p)]
         delays = Delays(self.delays)
@@ -320,6 +334,9 @@ class InProcessRun:
             for i in range(self.max_batches):
                 if learner.stopped:
                     break
+                if self.die_at.get(rank) == i:
+                    self.server.events.put(Message(Kind.FAILED, rank, error=f"receiving from learner {rank} failed"))
+                    return  # (gone: no goodbye)
                 if rounds is not None:
                     rounds.begin()
                     if rounds.round is not None and rounds.round.done == 0:

@@ -11,7 +11,6 @@ import torch
 
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.local_steps import LocalSteps
-from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.strategies.lightning_api import set_global_step
 from lightning_stale.strategies.local_updates import OuterFactory, check_real_engine_local_updates
 
@@ -26,14 +25,11 @@ class LearnerRounds:
     _rounds: LocalSteps | None = None  # this rank's rounds of local updates (set at train start)
 
     def _init_learner_rounds(self, local_steps: Any, outer_optimizer: Any, adaptive_h: Any, server: str,
-                             record_events: Any, payload_channels: bool, on_learner_failure: str,
-                             adaptive_k: Any, staleness_compensation: Any) -> str:
+                             record_events: Any, payload_channels: bool) -> str:
         """Check the options; returns the server path to use (local updates: the central one, or
         the collective one where given)."""
-        compensation = StalenessCompensation.create(staleness_compensation)
         self._outer = check_real_engine_local_updates(local_steps, outer_optimizer, adaptive_h, server,
-                                                      record_events, payload_channels, on_learner_failure,
-                                                      adaptive_k, compensation)
+                                                      record_events, payload_channels)
         self.local_updates = self._outer is not None
         self.local_steps, self.outer_optimizer, self.adaptive_h = int(local_steps), outer_optimizer, None
         return "central" if self.local_updates and server == "auto" else server  # ("auto" chooses it)

@@ -47,14 +47,13 @@ PLAIN_AVERAGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}}
 
 
 def check_real_engine_local_updates(local_steps: Any, outer_optimizer: Any, adaptive_h: Any, server: str,
-                                    record_events: Any, payload_channels: bool, on_learner_failure: str = "stop",
-                                    adaptive_k: Any = None, compensation: Any = None) -> OuterFactory | None:
+                                    record_events: Any, payload_channels: bool) -> OuterFactory | None:
     """`StaleStrategy`'s checks of its local-update options; returns the outer optimizer's
     factory for this run (None: no local updates). Local updates run on the central path and,
-    for the sync family, the collective one; the sharded path, AdaComm's adaptive H, event logs,
-    device channels, and (not
-    yet tested with them on the real engine) surviving dead learners, AdaSync's adaptive K and
-    the "norm" compensation are refused with them, naming what to use instead."""
+    for the sync family, the collective one; the sharded path, AdaComm's adaptive H, event logs
+    and device channels are refused with them, naming what to use instead. (AdaSync's adaptive
+    K, the staleness compensations and surviving dead learners run with them, on the paths that
+    run them without local updates: `engine.distributed.paths.registry.check_path`.)"""
     h = check_local_steps(local_steps)
     outer = outer_optimizer_factory(outer_optimizer)
     if adaptive_h is not None:
@@ -73,15 +72,6 @@ def check_real_engine_local_updates(local_steps: Any, outer_optimizer: Any, adap
     if payload_channels:
         raise ValueError(f"payload_channels=True with local updates ({given}): pseudo-gradients travel "
                          "through host memory; use payload_channels=False")
-    if on_learner_failure != "stop":
-        raise ValueError(f"on_learner_failure={on_learner_failure!r} with local updates ({given}) is not "
-                         "supported on StaleStrategy yet; use on_learner_failure='stop'")
-    if adaptive_k is not None:
-        raise ValueError(f"adaptive_k={adaptive_k!r} with local updates ({given}) is not supported on "
-                         "StaleStrategy yet; use a fixed k, or SimulatedStaleStrategy")
-    if compensation is not None and getattr(compensation, "needs_parameters", False):
-        raise ValueError(f"staleness_compensation={compensation!r} with local updates ({given}) is not "
-                         "supported on StaleStrategy yet; use 'inverse', or SimulatedStaleStrategy")
     return outer or plain_averaging()
 
 

@@ -157,11 +157,13 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
     schedule's value of inner step v x H (the simulated engine's; under the async family s x H steps
     before it for a push of staleness s), epoch-interval ones at every epoch's end. ``"auto"`` runs
     them central; on the collective path an update's pseudo-gradients meet in one all-reduce and
-    every learner applies the outer step. Refused with them, naming what to use instead: the
-    sharded path, ``adaptive_h``, ``record_events``, ``payload_channels``,
-    ``on_learner_failure="continue"``, ``adaptive_k`` and the "norm" compensation (at
-    construction), ``ReduceLROnPlateau`` (at setup), and resuming with ``ckpt_path`` (the learners'
-    inner states are not saved). Clipping applies to each inner step.
+    every learner applies the outer step. ``adaptive_k`` grows K from the rounds' losses, the
+    staleness compensations weigh the pseudo-gradients (the "norm" rule with the outer
+    optimizer's learning rate), and ``on_learner_failure="continue"`` loses a dead learner's round
+    in progress, on the paths that run them without local updates. Refused with them, naming
+    what to use instead: the sharded path, ``adaptive_h``, ``record_events``,
+    ``payload_channels`` (at construction), ``ReduceLROnPlateau`` (at setup), and resuming with
+    ``ckpt_path`` (the learners' inner states are not saved). Clipping applies to each inner step.
     """
 
     strategy_name = "stale"
@@ -180,7 +182,7 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
                  local_steps: int = 1, outer_optimizer: str | dict | None = None, adaptive_h: Any = None,
                  **ddp_kwargs: Any) -> None:
         server = self._init_learner_rounds(local_steps, outer_optimizer, adaptive_h, server, record_events,
-                                           payload_channels, on_learner_failure, adaptive_k, staleness_compensation)
+                                           payload_channels)
         check_options(delay_mode=delay_mode, on_learner_failure=on_learner_failure, variant=variant,
                       hold_freed_memory=hold_freed_memory, shared_memory=shared_memory,
                       payload_channels=payload_channels, overlap_allreduce=overlap_allreduce,
