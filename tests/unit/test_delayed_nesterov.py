@@ -297,3 +297,19 @@ def test_a_checkpoint_keeps_the_delayed_nesterov_state(tmp_path):
         assert saved["state"][i]["step"] == state["step"] == strategy.stats["updates"]
         torch.testing.assert_close(saved["state"][i]["momentum_buffer"], state["momentum_buffer"])
         torch.testing.assert_close(saved["state"][i]["pseudo_gradient_sum"], state["pseudo_gradient_sum"])
+
+
+def test_the_hydra_app_takes_the_class_path_and_refuses_its_bad_arguments():
+    from lightning_stale.config import ConfigError, compose_config
+    from lightning_stale.train import build_strategy
+
+    base = ["race=none", "engine=simulated", "variant=async", "variant.local_steps=4"]
+    cfg = compose_config("train", [*base, f"variant.outer_optimizer={{class_path: {DN_PATH}, "
+                                          "init_args: {lr: 0.5, period: 8, momentum_activation: 0.1}}"])
+    built = build_strategy(cfg)._outer([torch.zeros(1, requires_grad=True)])
+    assert isinstance(built, DelayedNesterov)
+    assert (built.defaults["lr"], built.defaults["period"], built.defaults["momentum_activation"]) == (0.5, 8, 0.1)
+    with pytest.raises(ConfigError, match=r"variant.outer_optimizer.*momentum_activation \(c\) must be in "
+                                          r"\[0, 1/period\] = \[0, 0.125\], got 0.5"):
+        compose_config("train", [*base, f"variant.outer_optimizer={{class_path: {DN_PATH}, "
+                                        "init_args: {period: 8, momentum_activation: 0.5}}"])
