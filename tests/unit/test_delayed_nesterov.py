@@ -1,7 +1,9 @@
 """The delayed Nesterov momentum (DN) outer optimizer (lightning_stale.method.delayed_nesterov; Liu
 et al., arXiv 2401.09135, Algorithm 3): its updates by hand, N = 1 as Nesterov, a cycle as one
 Nesterov step on the cycle's mean, a state_dict taken inside a cycle, bad arguments, and fits
-through ``outer_optimizer`` on the simulated engine (one by hand, one with stale pushes)."""
+through ``outer_optimizer``: on the simulated engine (one by hand, some with stale pushes) and on
+StaleStrategy's engine in process (tests/inprocess.py: central and collective paths, every update
+by hand)."""
 
 import copy
 import io
@@ -11,6 +13,8 @@ import pytorch_lightning as pl
 import torch
 import user_modules as um
 from engines import QUIET, books_balance
+from inprocess import InProcessRun, blob_batches, isclose
+from test_local_updates_real import MomentumClassifier
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -313,3 +317,34 @@ def test_the_hydra_app_takes_the_class_path_and_refuses_its_bad_arguments():
                                           r"\[0, 1/period\] = \[0, 0.125\], got 0.5"):
         compose_config("train", [*base, f"variant.outer_optimizer={{class_path: {DN_PATH}, "
                                         "init_args: {period: 8, momentum_activation: 0.5}}"])
+
+
+# ---------------------------------------------------------------- StaleStrategy's engine, in process
+def check_algorithm_3(run, lr, beta, n):
+    """Every server update of a real-engine run, by hand: g_t is the mean of the update's pushed
+    pseudo-gradients, and w moves as Algorithm 3 says."""
+    assert [u.update.index for u in run.updates] == list(range(1, len(run.updates) + 1))
+    m = delta = torch.zeros_like(run.parameters(0))
+    for t, recorded in enumerate(run.updates):
+        update = recorded.update
+        g = sum(run.pushed(p.id).gradient for p in update.gradients) / len(update.gradients)
+        delta = delta + g
+        if (t + 1) % n == 0:
+            m = beta * m + delta / n
+            step, delta = beta * m + g / n, torch.zeros_like(delta)
+        else:
+            step = g / n
+        assert isclose(run.parameters(update.version), run.parameters(update.version - 1) - lr * step), t
+
+
+@pytest.mark.parametrize("variant,path", [("async", "central"), ("k_async", "central"), ("sync", "collective")])
+def test_the_real_engine_applies_algorithm_3(variant, path):
+    torch.manual_seed(0)
+    spec = {"class_path": DN_PATH, "init_args": {"lr": 0.7, "momentum": 0.9, "period": 3}}
+    run = InProcessRun(MomentumClassifier(lr=0.05), blob_batches(), variant, p=2,
+                       k=2 if variant == "k_async" else None, max_updates=7, local_steps=2,
+                       outer_optimizer=spec, path=path).fit()
+    assert run.stats["updates"] == 7 and books_balance(run.stats)
+    if variant == "async":  # P = 2, one push per update: every push after the first is stale
+        assert run.stats["staleness_histogram"].get(1, 0) > 0
+    check_algorithm_3(run, 0.7, 0.9, 3)
