@@ -18,6 +18,7 @@ import pytest
 
 import lightning_stale
 import lightning_stale.delays as delays
+from lightning_stale.method.delayed_nesterov import DelayedNesterov
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,11 +38,12 @@ def nav_pages(nav) -> list[str]:
 
 
 def public_classes() -> list[type]:
-    """The classes a user meets: the strategies, the callbacks, every delay model exported."""
+    """The classes a user meets: the strategies, the callbacks, every delay model exported, the
+    outer optimizer this package adds."""
     models = [getattr(delays, name) for name in delays.__all__
               if inspect.isclass(getattr(delays, name)) and issubclass(getattr(delays, name), delays.DelayModel)]
     return [lightning_stale.StaleStrategy, lightning_stale.SimulatedStaleStrategy,
-            lightning_stale.WallClockLogger, lightning_stale.MiniBatchTimer, *models]
+            lightning_stale.WallClockLogger, lightning_stale.MiniBatchTimer, DelayedNesterov, *models]
 
 
 def page_text(path: Path) -> str:
