@@ -111,3 +111,24 @@ def test_the_config_reference_lists_every_group_and_option(site):
             for option in group.glob("*.yaml"):
                 assert f"{group.name}={option.stem}" in text, f"{group.name}={option.stem} missing"
     assert "strategy.delay_mode" in text and "after_compute" in text
+
+
+def test_the_local_updates_benchmark_page_shows_each_path_beside_ddp(site):
+    """benchmarks/local_updates_vs_ddp.py runs both paths side by side; its page's table (drawn
+    from the latest results file by docs/hooks/benchmarks.py) names each row's path."""
+    import json
+
+    latest = ROOT / "benchmarks" / "results" / "latest" / "local_updates_vs_ddp-cpu.json"
+    rows = json.loads(latest.read_text())["figures"]
+    assert {row["server"] for row in rows if row["mode"] != "ddp"} == {"central", "collective"}
+    assert all(row["server"] == "" for row in rows if row["mode"] == "ddp")
+    built = (site / "benchmarks" / "local_updates_vs_ddp.html").read_text()
+    table = built[built.index('id="latest-results-cpu"'):]
+    header = re.search(r"<thead>(.*?)</thead>", table, re.S)[1]
+    assert [html.unescape(c) for c in re.findall(r"<th[^>]*>(.*?)</th>", header)][:4] == \
+        ["devices", "mode", "server", "h"]
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)]
+    cells = [row for row in cells if row]
+    assert len(cells) == len(rows)
+    assert [(row[1], row[2], row[3]) for row in cells] == \
+        [(row["mode"], row["server"], str(row["h"])) for row in rows]
