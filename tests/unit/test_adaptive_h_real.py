@@ -61,12 +61,15 @@ def hand_rounds(run: InProcessRun, h_of_version: list[int]) -> tuple[dict, dict]
     return pseudo, losses
 
 
-@pytest.mark.parametrize("variant,p,delays", [("sync", 2, {}), ("async", 2, {0: 0.0, 1: 0.004})])
-def test_every_round_takes_the_h_the_server_decided_from_the_update_losses(variant, p, delays):
-    run = InProcessRun(MomentumClassifier(lr=0.3), blob_batches(), variant, p=p, delays=delays, max_updates=12,
-                       local_steps=H0, adaptive_h=EVERY_UPDATE).fit()
+@pytest.mark.parametrize("variant,p,k,delays", [("sync", 2, None, {}), ("async", 2, None, {0: 0.0, 1: 0.004}),
+                                                ("k_sync", 3, 2, {0: 0.0, 1: 0.0, 2: 0.01})])
+def test_every_round_takes_the_h_the_server_decided_from_the_update_losses(variant, p, k, delays):
+    run = InProcessRun(MomentumClassifier(lr=0.3), blob_batches(), variant, p=p, k=k, delays=delays,
+                       max_updates=12, local_steps=H0, adaptive_h=EVERY_UPDATE).fit()
     records = run.core.pop_records()
     assert [r.update for r in records] == list(range(1, 13)) and books_balance(run.stats)
+    if variant == "k_sync":  # the straggler's rounds are abandoned when the others' update arrives
+        assert run.stats["computations_cancelled"] > 0
     schedule = hand_schedule([r.loss for r in records])
     assert len(set(schedule)) >= 3, f"the loss fell too little for H to shrink twice: {schedule}"
     # The H of every round: the one in force after the update that made the version it started

@@ -41,8 +41,7 @@ class Learner:
         self.version = -1
         self.server_epochs = 0  # epochs the server has ended
         self.epoch_version = 0  # the server's version at its latest epoch's end
-        # AdaComm (server-decided H): inner steps up to the version held and to the latest epoch's
-        # end, and the H of the next round as the server last said (0: the fixed local_steps)
+        # AdaComm: inner steps to the version held and the latest epoch's end; the next round's H (0: fixed)
         self.inner_steps = self.epoch_inner_steps = self.next_local_steps = 0
         self._epoch_heard: int | None = None  # the epoch count of the server's latest answer
         self.phase = Phase.COMPUTING  # where this learner stands (`phases.MOVES`)
