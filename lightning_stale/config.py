@@ -174,9 +174,11 @@ def _check_local_updates(cfg: DictConfig, engine: str) -> None:
                           "local updates run on the central path (and the collective one, for the sync "
                           "family); use engine.strategy.server=central (or auto, or collective)")
     adaptive_h = cfg.engine.get("strategy", {}).get("adaptive_h")
-    if adaptive_h is not None and engine != "simulated":
-        raise ConfigError(f"engine.strategy.adaptive_h: AdaComm's adaptive H runs on engine=simulated "
-                          f"for now, not engine={engine}; use engine=simulated or drop adaptive_h")
+    if adaptive_h is not None and (engine not in ("simulated", "server")
+                                   or (engine == "server" and path not in ("auto", "central"))):
+        where = f"engine={engine}" + (f" with engine.strategy.server={path}" if engine == "server" else "")
+        raise ConfigError(f"engine.strategy.adaptive_h: AdaComm's adaptive H runs on engine=simulated and "
+                          f"on engine=server's central path, not {where}; use one of those or drop adaptive_h")
     try:
         AdaptiveH.create(adaptive_h, h0=local_steps)
     except ValueError as error:

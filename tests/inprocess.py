@@ -38,7 +38,7 @@ from lightning_stale.engine.distributed.paths.collective.path import CollectiveP
 from lightning_stale.engine.distributed.server import ParameterServer
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
-from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.adaptive import AdaptiveH, AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
 from lightning_stale.strategies.local_updates import outer_optimizer_factory, plain_averaging
@@ -59,6 +59,7 @@ class RecordedPush:
     payload: torch.Tensor | None  # the gradient and buffers as pushed (None: unusable)
     masked: bool = False  # the payload ends with a presence mask (some gradient was missing)
     loss: float = float("nan")  # the push's loss (with local updates: its round's mean)
+    local_steps: int = 1  # the H of the round it ends, as the push says
 
 
 @dataclass
@@ -231,6 +232,7 @@ class InProcessRun:
     path: str = "central"
     # AdaSync's schedule of K (`AdaptiveK.create`'s spec), and what a dead learner does to the run
     adaptive_k: object = None
+    adaptive_h: object = None  # AdaComm's schedule of H (`AdaptiveH.create`'s spec), run by the server
     on_learner_failure: str = "stop"
     # learner -> the mini-batch before whose forward it dies (its process gone: no goodbye, its
     # round in progress lost), the server hearing of it as from a broken connection
@@ -257,7 +259,8 @@ class InProcessRun:
                 usable = not message.flags & Flag.UNUSABLE
                 payload = message.payload.detach().clone() if usable and message.payload is not None else None
                 self.pushes.append(RecordedPush(self._received, message.learner, message.version, batch,
-                                                payload, bool(message.flags & Flag.MASKED), float(message.loss)))
+                                                payload, bool(message.flags & Flag.MASKED), float(message.loss),
+                                                message.local_steps))
                 self._received += 1
             self.server.events.put(message)
 
@@ -278,7 +281,8 @@ class InProcessRun:
             adaptive.limit(self.p)
             variant = Variant.create(self.variant, self.p, adaptive.k0)
         self.core = ServerCore(variant, None if collective else state, ServerLimits(max_updates=self.max_updates),
-                               adaptive=adaptive, compensation=compensation, clock=time.monotonic())
+                               adaptive=adaptive, compensation=compensation, clock=time.monotonic(),
+                               adaptive_h=AdaptiveH.create(self.adaptive_h, h0=self.local_steps))
         self.versions[0] = state.snapshot(0).clone()
         self.server_vectors = ModelVectors.of(server_module)
         payloads = RecordingCollectivePayloads(self) if collective else RecordingPayloads(self.server_vectors, self)
@@ -297,7 +301,8 @@ class InProcessRun:
                      for r, (v, o, m) in enumerate(zip(vectors, self.inner_optimizers, self.modules))]
         self.learners = [Learner(e, v, delays, exchange=x, waits_for_answer=variant.pusher_needs_answer)
                          for e, v, x in zip(self.endpoints, vectors, exchanges)]
-        self.rounds = [LocalSteps(learner, opt, self.local_steps, configs) if self.local else None
+        self.rounds = [LocalSteps(learner, opt, self.local_steps, configs, self.adaptive_h is not None)
+                       if self.local else None
                        for learner, (opt, configs) in zip(self.learners, configured)]
         self.server_endpoint = QueueServerEndpoint(self.endpoints)
         self.server.start(self.server_endpoint)

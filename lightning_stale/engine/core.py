@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_stale.engine.records import UpdateRecord
 from lightning_stale.engine.state import Contribution, ServerState
-from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.adaptive import AdaptiveH, AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.rules import Decision, ServerRules, Update
 from lightning_stale.method.variants import Variant
@@ -51,6 +51,10 @@ class ServerLimits:
     max_updates: int = -1  # Trainer(max_steps): server updates; -1 for no limit
     max_epochs: int = -1  # server epochs; -1 for no limit
     pushes_per_epoch: int = 0  # mini-batches pushed per epoch; 0: the engine ends epochs itself
+    # AdaComm's varying H: max_steps as inner steps (the pushes' H summed over the updates) instead
+    # of max_updates, and pushes_per_epoch counted in inner steps (each push counting its H)
+    max_inner_steps: int = -1
+    epoch_in_inner_steps: bool = False
 
 
 @dataclass
@@ -82,12 +86,16 @@ class ServerCore:
                  limits: ServerLimits | None = None, adaptive: AdaptiveK | None = None,
                  compensation: StalenessCompensation | None = None,
                  keep_snapshots: bool = False, clock: float = 0.0,
-                 observer: CoreObserver | None = None) -> None:
+                 observer: CoreObserver | None = None, adaptive_h: AdaptiveH | None = None) -> None:
         self.rules = ServerRules(variant)
         self.observer = observer
         self.state = state
         self.limits = limits or ServerLimits()
-        self.adaptive, self.compensation = adaptive, compensation
+        self.adaptive, self.compensation, self.adaptive_h = adaptive, compensation, adaptive_h
+        # Inner steps along the server's trajectory (``global_step`` with local updates): each
+        # update adds the H of the push that completed it, as `SimulatedServer.inner_steps` does.
+        self.inner_steps = 0
+        self._push_steps = 1  # the H of the push being decided
         if adaptive is not None:
             self.rules.set_k(adaptive.k)
         needs_parameters = compensation is not None and compensation.needs_parameters
@@ -136,6 +144,11 @@ class ServerCore:
     def stopped(self) -> bool:
         return self.rules.stopped
 
+    @property
+    def local_steps(self) -> int:
+        """The H of the rounds learners start now under AdaComm (`AdaptiveH`); 0 without it."""
+        return 0 if self.adaptive_h is None else self.adaptive_h.h
+
     def parameters_at(self, version: int) -> Tensor:
         """Flat parameters of ``version`` (``keep_snapshots`` only)."""
         return self._snapshots[version]
@@ -147,8 +160,9 @@ class ServerCore:
     # ------------------------------------------------------------------ events
     def push(self, learner: int, version: int, clock: float, *,
              contribution: Contribution | None = None, loss: float = math.nan, samples: int = 0,
-             unusable: str | None = None) -> Outcome:
-        """A push computed at ``version``; ``unusable`` names why it has no usable gradient."""
+             unusable: str | None = None, local_steps: int = 1) -> Outcome:
+        """A push computed at ``version``; ``unusable`` names why it has no usable gradient;
+        ``local_steps``: the H of the round it ends (its inner steps, if it completes an update)."""
         stopped = self.rules.stopped  # arrived after the stop: counted as in flight, nothing else
         decision = self.rules.on_push(learner, version, None if stopped else unusable)
         if self.observer is not None:
@@ -157,6 +171,7 @@ class ServerCore:
             return Outcome(decision)
         if decision.accepted and decision.push is not None:
             self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
+        self._push_steps = max(1, int(local_steps))
         return self._decided(decision, clock, pushed=True)
 
     def holds(self, contribution: Contribution) -> bool:
@@ -181,7 +196,7 @@ class ServerCore:
         self._pushes_this_epoch = 0
         if self.observer is not None:
             self.observer.on_epoch_end(self)
-        if 0 <= self.limits.max_epochs <= self.epoch or 0 <= self.limits.max_updates <= self.updates:
+        if 0 <= self.limits.max_epochs <= self.epoch or self._at_step_limit():
             self.stop()
 
     def begin_epoch(self, clock: float, metrics: Mapping[str, float] | None = None) -> None:
@@ -214,6 +229,8 @@ class ServerCore:
         stats["samples"] = self.samples
         if self.adaptive is not None:
             stats["k_history"] = list(self.adaptive.history)
+        if self.adaptive_h is not None:
+            stats["h_history"] = list(self.adaptive_h.history)  # (running seconds, H) at each change
         return stats
 
     def state_dict(self) -> dict:
@@ -234,14 +251,18 @@ class ServerCore:
     def _decided(self, decision: Decision, clock: float, pushed: bool) -> Outcome:
         """Apply the update ``decision`` completes, if any; end the epoch (on a push) or stop where due."""
         applied = self._apply(decision.update, clock) if decision.update is not None else {}
-        self._pushes_this_epoch += pushed
+        self._pushes_this_epoch += pushed * (self._push_steps if self.limits.epoch_in_inner_steps else 1)
         epoch_ended = pushed and 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
         if epoch_ended:
             self.end_epoch()
-        elif 0 <= self.limits.max_updates <= self.updates:
+        elif self._at_step_limit():
             self.stop()
         self._forget_unused_snapshots()
         return Outcome(decision, decision.update, epoch_ended=epoch_ended, stopped=self.rules.stopped, **applied)
+
+    def _at_step_limit(self) -> bool:
+        limits = self.limits
+        return 0 <= limits.max_updates <= self.updates or 0 <= limits.max_inner_steps <= self.inner_steps
 
     def _apply(self, update: Update, clock: float) -> dict:
         """Apply ``update`` (where the core holds the state), record it; the Outcome's fields."""
@@ -282,6 +303,11 @@ class ServerCore:
             k = self.adaptive.observe(self._last_update_s, record.loss)
             if k is not None and k != self.rules.k:
                 self.rules.set_k(k)  # between updates: nothing is pending now
+        self.inner_steps += self._push_steps
+        if self.adaptive_h is not None:
+            # A new H goes with this update's answers: the rounds they start take it; rounds in
+            # progress keep theirs (as `SimulatedServer` starts rounds with the cluster's H).
+            self.adaptive_h.observe(self._last_update_s, record.loss)
         return {"record": record, "contributions": contributions, "weights": weights}
 
     def _snapshot_current(self) -> None:

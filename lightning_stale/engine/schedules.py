@@ -76,9 +76,10 @@ class Schedules:
 class LearnerSchedules(Schedules):
     """A real learner's inner optimizer's schedulers with local updates (docs/how-to/local-updates.md,
     "What steps, epochs and schedules count"), stepped by the learner itself along the server's
-    trajectory: the server's version v stands for v x H inner steps, so before a round that starts
-    from version v the step-interval schedulers are brought to step v x H (`follow`), and all H
-    inner steps of the round run at that learning rate. This is the simulated engine's meaning
+    trajectory: the server's version v stands for v x H inner steps (under AdaComm's varying H, the
+    sum of the H of its updates, as the server says), so before a round that starts from version v
+    the step-interval schedulers are brought to that step (`follow`), and all the inner steps of the
+    round run at that learning rate. This is the simulated engine's meaning
     (`SimulatedServer`: the schedule advances H steps at every update, and a round runs at the
     value of the server's update count when it is computed): the same value wherever a pushed
     round's version is the server's latest when it arrives, as under the sync family (a stale
@@ -92,18 +93,20 @@ class LearnerSchedules(Schedules):
     def __init__(self, configs: Sequence[Any], optimizer: Optimizer, steps_per_update: int) -> None:
         assert not any(c.reduce_on_plateau for c in configs), "refused at setup"
         super().__init__(configs, optimizer, steps_per_update=steps_per_update)
-        self.followed = 0  # the server version the step-interval schedulers stand at
+        self.followed = 0  # the inner step the step-interval schedulers stand at
 
-    def follow(self, version: int) -> None:
-        """Bring the step-interval schedulers to the server's ``version`` (never back)."""
-        while self.followed < version:
-            self.followed += 1
+    def follow(self, inner_steps: int) -> None:
+        """Bring the step-interval schedulers to inner step ``inner_steps`` of the server's
+        trajectory (never back)."""
+        if self.followed < inner_steps:
             self.before_step()  # (torch warns of a scheduler stepped before its optimizer)
-            self.after_update(self.followed)
+            self.steps_done, self.steps_per_update = self.followed, inner_steps - self.followed
+            self.after_update(0)
+            self.followed = inner_steps
 
-    def epoch_ended(self, epoch: int, version: int) -> None:
-        """The server's epoch ``epoch`` (from 0) ended at its ``version``."""
-        self.follow(version)
+    def epoch_ended(self, epoch: int, inner_steps: int) -> None:
+        """The server's epoch ``epoch`` (from 0) ended at inner step ``inner_steps``."""
+        self.follow(inner_steps)
         self.end_epoch(epoch, {})
 
 

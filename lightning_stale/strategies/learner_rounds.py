@@ -4,13 +4,16 @@ options and refusals, and each learner's Lightning training step as one inner st
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 import torch
 
+from lightning_stale.engine.core import ServerLimits
 from lightning_stale.engine.distributed.learner import Learner
 from lightning_stale.engine.distributed.local_steps import LocalSteps
+from lightning_stale.method.adaptive import AdaptiveH
 from lightning_stale.strategies.lightning_api import set_global_step
 from lightning_stale.strategies.local_updates import OuterFactory, check_real_engine_local_updates
 
@@ -23,6 +26,7 @@ class LearnerRounds:
     optimizers: list
     _batch_samples: int  # the samples of this inner step's micro-batches (the strategy counts them)
     _rounds: LocalSteps | None = None  # this rank's rounds of local updates (set at train start)
+    _pushes_per_epoch: int
 
     def _init_learner_rounds(self, local_steps: Any, outer_optimizer: Any, adaptive_h: Any, server: str,
                              record_events: Any, payload_channels: bool) -> str:
@@ -31,7 +35,7 @@ class LearnerRounds:
         self._outer = check_real_engine_local_updates(local_steps, outer_optimizer, adaptive_h, server,
                                                       record_events, payload_channels)
         self.local_updates = self._outer is not None
-        self.local_steps, self.outer_optimizer, self.adaptive_h = int(local_steps), outer_optimizer, None
+        self.local_steps, self.outer_optimizer, self.adaptive_h = int(local_steps), outer_optimizer, adaptive_h
         return "central" if self.local_updates and server == "auto" else server  # ("auto" chooses it)
 
     def refuse_schedulers(self, schedulers: list) -> None:
@@ -52,17 +56,33 @@ class LearnerRounds:
         schedulers stepped along the server's trajectory."""
         if not self.local_updates:
             return None
-        return LocalSteps(learner, self.optimizers[0], self.local_steps, self._schedulers)
+        return LocalSteps(learner, self.optimizers[0], self.local_steps, self._schedulers,
+                          adaptive=self.adaptive_h is not None)
 
-    def max_updates(self, max_steps: int) -> int:
-        """The server's limit: with local updates ``max_steps`` counts inner steps, H per server
-        update, as ``global_step`` does (ceil(max_steps / H) updates)."""
-        return max_steps if max_steps < 0 else math.ceil(max_steps / self.local_steps)
+    def fresh_adaptive_h(self) -> AdaptiveH | None:
+        """This fit's own AdaComm schedule, for rank 0's server (the caller's object stays as it is)."""
+        schedule = copy.deepcopy(AdaptiveH.create(self.adaptive_h, h0=self.local_steps))
+        if schedule is not None:
+            schedule.reset()
+        return schedule
+
+    def server_limits(self, trainer: Any) -> ServerLimits:
+        """The server's limits: with local updates ``max_steps`` counts inner steps, H per server
+        update, as ``global_step`` does (ceil(max_steps / H) updates); under AdaComm the server
+        stops once the H of its updates sum to ``max_steps``, and an epoch is the pushes' inner
+        steps summing to one pass (the pushes of H_0 times H_0), as on `SimulatedStaleStrategy`."""
+        max_steps = trainer.max_steps
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
+        if self.adaptive_h is not None:
+            return ServerLimits(max_inner_steps=max_steps, max_epochs=max_epochs, epoch_in_inner_steps=True,
+                                pushes_per_epoch=self._pushes_per_epoch * self.local_steps)
+        max_updates = max_steps if max_steps < 0 else math.ceil(max_steps / self.local_steps)
+        return ServerLimits(max_updates=max_updates, pushes_per_epoch=self._pushes_per_epoch, max_epochs=max_epochs)
 
     def _local_step(self, rounds: LocalSteps, model, optimizer, closure) -> Any:
         """One inner step of this learner's round (its own optimizer steps); the round's last
-        pushes the pseudo-gradient. ``global_step`` is H x the server updates, as on
-        `SimulatedStaleStrategy`."""
+        pushes the pseudo-gradient. ``global_step`` is H x the server updates (under AdaComm the
+        sum of their H, as the server counts them), as on `SimulatedStaleStrategy`."""
         loss, overflow = self.compute_gradient(model, optimizer, closure)
         trainer, learner = self.lightning_module.trainer, self._fitting
         if loss is not None:  # (a skipped training_step is no step: the round goes on)
@@ -72,7 +92,7 @@ class LearnerRounds:
                 self.minibatch_times.append(learner.last_x)  # the round's time, for MiniBatchTimer
         self._batch_samples = 0
         self.note_dead_learners(trainer)
-        set_global_step(trainer, max(learner.version, 0) * self.local_steps)
+        set_global_step(trainer, rounds.inner_steps)
         if learner.stopped:
             trainer.should_stop = True
         return loss

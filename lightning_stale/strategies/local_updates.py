@@ -50,15 +50,17 @@ def check_real_engine_local_updates(local_steps: Any, outer_optimizer: Any, adap
                                     record_events: Any, payload_channels: bool) -> OuterFactory | None:
     """`StaleStrategy`'s checks of its local-update options; returns the outer optimizer's
     factory for this run (None: no local updates). Local updates run on the central path and,
-    for the sync family, the collective one; the sharded path, AdaComm's adaptive H, event logs
-    and device channels are refused with them, naming what to use instead. (AdaSync's adaptive
+    for the sync family, the collective one (AdaComm's adaptive H on the central one only); the
+    sharded path, event logs and device channels are refused with them, naming what to use instead. (AdaSync's adaptive
     K, the staleness compensations and surviving dead learners run with them, on the paths that
     run them without local updates: `engine.distributed.paths.registry.check_path`.)"""
     h = check_local_steps(local_steps)
     outer = outer_optimizer_factory(outer_optimizer)
-    if adaptive_h is not None:
-        raise ValueError(f"adaptive_h={adaptive_h!r}: AdaComm's adaptive H runs with local updates on "
-                         "SimulatedStaleStrategy only; StaleStrategy takes adaptive_h=None (a fixed local_steps)")
+    AdaptiveH.create(adaptive_h, h0=h)  # checks the spec now (H_0 > 1 included)
+    if adaptive_h is not None and server not in ("central", "auto"):
+        raise ValueError(f"adaptive_h={adaptive_h!r} with server={server!r}: AdaComm's adaptive H runs on "
+                         "StaleStrategy's central path, whose server decides each round's H; use "
+                         "server='central' (or 'auto'), or SimulatedStaleStrategy")
     if h == 1 and outer is None:
         return None
     given = f"local_steps={h}" + ("" if outer is None else " with an outer_optimizer")

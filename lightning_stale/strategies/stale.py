@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_stale.delays.models import DelayModel
-from lightning_stale.engine.core import ServerCore, ServerLimits
+from lightning_stale.engine.core import ServerCore
 from lightning_stale.engine.distributed import allocator
 from lightning_stale.engine.distributed.channels import close_channels
 from lightning_stale.engine.distributed.learner import Learner
@@ -134,7 +134,8 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
             plain averaging (SGD, lr 1, no momentum), or a class path and its arguments,
             ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.7, "momentum": 0.9,
             "nesterov": True}}`` (DiLoCo). Given, it makes local updates even with H = 1.
-        adaptive_h: None only; AdaComm's adaptive H runs on `SimulatedStaleStrategy`.
+        adaptive_h: AdaComm's H as on `SimulatedStaleStrategy` (central path, T0 in wall seconds):
+            the server shrinks it, its answers carry each learner's next H (``stats["h_history"]``).
         **ddp_kwargs: `DDPStrategy`'s accelerator, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin, process_group_backend, timeout, start_method.
 
@@ -152,7 +153,8 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
     With local updates, one Lightning training step is one inner step of this learner, and
     ``trainer.global_step`` is H x the server updates its parameters come from: ``max_steps``,
     ``estimated_stepping_batches`` and the step-interval LR schedulers count inner steps, as on
-    `SimulatedStaleStrategy` and under DDP with model averaging (ceil(max_steps / H) updates). Each
+    `SimulatedStaleStrategy` and under DDP with model averaging (ceil(max_steps / H) updates; under
+    ``adaptive_h``, global_step sums the H of the updates, each its completing push's H). Each
     learner steps its own schedulers: a round from server version v runs its H inner steps at the
     schedule's value of inner step v x H (the simulated engine's; under the async family s x H steps
     before it for a push of staleness s), epoch-interval ones at every epoch's end. ``"auto"`` runs
@@ -161,7 +163,7 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
     staleness compensations weigh the pseudo-gradients (the "norm" rule with the outer
     optimizer's learning rate), and ``on_learner_failure="continue"`` loses a dead learner's round
     in progress, on the paths that run them without local updates. Refused with them, naming
-    what to use instead: the sharded path, ``adaptive_h``, ``record_events``,
+    what to use instead: the sharded path (and ``adaptive_h`` off the central one), ``record_events``,
     ``payload_channels`` (at construction), ``ReduceLROnPlateau`` (at setup), and resuming with
     ``ckpt_path`` (the learners' inner states are not saved). Clipping applies to each inner step.
     """
@@ -299,8 +301,6 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
                                        clips=self._clip is not None, nodes=self.num_nodes,
                                        shared_memory=self.shared_memory and not self.payload_channels,
                                        cpu=self.root_device.type == "cpu")
-        limits = ServerLimits(max_updates=self.max_updates(trainer.max_steps), pushes_per_epoch=self._pushes_per_epoch,
-                              max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1)
         overlap, self._channels = settle_transport(self, trainer, variant)
         observer = self._start_recording(trainer)
         options = RankOptions(path=self.path, delay=self.delay, delay_is_total=self.delay_mode == "total",
@@ -308,10 +308,10 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
                               compensation=self.staleness_compensation, adaptive=self._adaptive, overlap=overlap,
                               shared_memory=self.shared_memory, shutdown_timeout=self.shutdown_timeout,
                               channels=self._channels, timeout=self._timeout, observer=observer,
-                              local_steps=self.local_steps, outer=self._outer)
+                              local_steps=self.local_steps, outer=self._outer, adaptive_h=self.fresh_adaptive_h())
         learner, self._server, self._channel_ends = build_rank(
             self.global_rank, self._server_group, self.lightning_module, self.optimizers[0], self._schedulers,
-            variant, limits, options, self._resume, self._clip, lanes=lanes)
+            variant, self.server_limits(trainer), options, self._resume, self._clip, lanes=lanes)
         self._learner, self._resume, self._side = learner, None, learner.exchange
         self._rounds = self.start_rounds(learner)
         self._buffers_at_start = [torch.empty_like(b) for b in learner.vectors.buffers]

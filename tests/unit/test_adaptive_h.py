@@ -196,9 +196,15 @@ def test_simulated_strategy_refuses_bad_adaptive_h_at_construction(kwargs, messa
         SimulatedStaleStrategy("sync", **kwargs)
 
 
-def test_stale_strategy_refuses_adaptive_h():
-    with pytest.raises(ValueError, match=r"adaptive_h=2.0: AdaComm's adaptive H runs .* on SimulatedStaleStrategy"):
+def test_stale_strategy_checks_adaptive_h_and_runs_it_on_the_central_path_only():
+    with pytest.raises(ValueError, match=r"local_steps, which is 1 here"):
         StaleStrategy("sync", adaptive_h=2.0)
+    with pytest.raises(ValueError, match=r"adaptive_h=2.0 with server='collective'.*server='central'"):
+        StaleStrategy("sync", local_steps=4, adaptive_h=2.0, server="collective")
+    strategy = StaleStrategy("k_sync", 2, local_steps=4, adaptive_h={"interval_s": 0.5, "window": 3})
+    assert (strategy.server, strategy.local_steps) == ("central", 4)
+    schedule = strategy.fresh_adaptive_h()
+    assert (schedule.h0, schedule.interval_s, schedule.window) == (4, 0.5, 3)
 
 
 def test_hydra_config_sets_adaptive_h():
@@ -217,7 +223,10 @@ def test_hydra_config_sets_adaptive_h():
     (["engine=simulated", "+engine.strategy.adaptive_h=2.0"], r"adaptive_h: .*local_steps, which is 1 here"),
     (["engine=simulated", "variant.local_steps=4", "+engine.strategy.adaptive_h=-1"],
      r"interval_s must be a finite number > 0"),
-    (["+engine.strategy.adaptive_h=2.0"], r"adaptive H runs on engine=simulated for now, not engine=server"),
+    (["variant.local_steps=4", "engine.strategy.server=collective", "+engine.strategy.adaptive_h=2.0"],
+     r"adaptive H runs on engine=simulated and on engine=server's central path, not engine=server with "
+     r"engine.strategy.server=collective"),
+    (["engine=ddp", "variant.local_steps=4", "+engine.strategy.adaptive_h=2.0"], r"local updates run on"),
 ])
 def test_hydra_config_refuses_bad_adaptive_h(overrides, message):
     from lightning_stale.config import ConfigError, compose_config

@@ -325,8 +325,8 @@ def test_local_steps_are_checked_and_the_paths_without_them_refused():
         StaleStrategy("sync", local_steps=2.5)
     with pytest.raises(ValueError, match=r"server='sharded'.*local_steps=4.*server='central'"):
         StaleStrategy("sync", local_steps=4, server="sharded")  # (collective: test_local_updates_collective.py)
-    with pytest.raises(ValueError, match=r"adaptive_h=8: AdaComm.s adaptive H runs with local updates on SimulatedStaleStrategy only"):
-        StaleStrategy("sync", local_steps=4, adaptive_h=8, server="central")
+    with pytest.raises(ValueError, match=r"adaptive_h=8 with server='collective': AdaComm.s adaptive H runs on"):
+        StaleStrategy("sync", local_steps=4, adaptive_h=8, server="collective")
     with pytest.raises(ValueError, match=r"record_events.*local updates"):
         StaleStrategy("sync", local_steps=4, record_events=True)
     with pytest.raises(ValueError, match=r"payload_channels=True.*local updates.*payload_channels=False"):

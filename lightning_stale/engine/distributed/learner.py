@@ -41,6 +41,8 @@ class Learner:
         self.version = -1
         self.server_epochs = 0  # epochs the server has ended
         self.epoch_version = 0  # the server's version at its latest epoch's end
+        # AdaComm: inner steps to the version held and the latest epoch's end; the next round's H (0: fixed)
+        self.inner_steps = self.epoch_inner_steps = self.next_local_steps = 0
         self._epoch_heard: int | None = None  # the epoch count of the server's latest answer
         self.phase = Phase.COMPUTING  # where this learner stands (`phases.MOVES`)
         self.stop_requested = False  # this learner asked the server to stop (`request_stop`)
@@ -139,6 +141,8 @@ class Learner:
                 # too, and one ending it would be followed by this in the next epoch, pausing for good.
                 self.server_epochs = max(self.server_epochs, m.epoch)
                 self.epoch_version = max(self.epoch_version, m.version)
+                self.epoch_inner_steps = max(self.epoch_inner_steps, m.inner_steps)
+                self.next_local_steps = m.local_steps or self.next_local_steps
                 self._epoch_heard = max(m.epoch, self._epoch_heard or 0)
                 self._validation_state = m.payload
                 if self.paused_at is None:
@@ -152,6 +156,7 @@ class Learner:
                 self._deferred.append(m)
                 continue
             self.clock.message(m)
+            self.next_local_steps = m.local_steps or self.next_local_steps
             if m.kind in (Kind.PARAMS, Kind.CONTINUE):
                 events.epoch_ending |= self._epoch_heard is not None and m.epoch > self._epoch_heard
                 self._epoch_heard = max(m.epoch, self._epoch_heard or 0)
@@ -159,7 +164,7 @@ class Learner:
                 self.exchange.resolve(m, self._check_health)
             if m.kind in (Kind.PARAMS, Kind.STOP) and (m.version != self.version or m.kind == Kind.STOP):
                 self.exchange.take(m)
-                self.version = m.version
+                self.version, self.inner_steps = m.version, m.inner_steps
                 if m.payload is not None:
                     self._own_state = None  # what was saved for after validation is superseded
             elif m.lent is not None:
@@ -222,7 +227,7 @@ class Learner:
             self.clock.next_mini_batch(started_by_server)
 
     def _push_message(self, loss: float, samples: int, unusable: str | None) -> Message:
-        message = Message(Kind.PUSH, version=self.version, samples=samples,
+        message = Message(Kind.PUSH, version=self.version, samples=samples, local_steps=self.draws_per_push,
                           loss=loss if math.isfinite(loss) else math.nan)
         if unusable is not None:
             message.flags, message.error = Flag.UNUSABLE, unusable

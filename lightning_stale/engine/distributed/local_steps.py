@@ -11,6 +11,13 @@ simulated engine, which never computes cancelled work, never makes them. (A roun
 is carried over an epoch's end keeps its changes, even where an update then cancels the push.)
 The inner optimizer's LR schedulers follow the server's trajectory (`schedules.LearnerSchedules`):
 a round from version v runs at their value of inner step v x H.
+
+AdaComm (`method.adaptive.AdaptiveH`, Wang and Joshi, SysML 2019): the server owns the schedule of
+H. Its answers carry the H in force (`Message.local_steps`) and the inner steps up to the version
+they hold (`Message.inner_steps`: the sum of the H of its updates, each the H of the push that
+completed it, as on the simulated engine); a round takes the H the learner last heard when it
+starts and keeps it to its push, whose H the push carries. ``global_step`` and the schedules
+count those inner steps, not version x H_0.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ class LocalSteps:
     server's trajectory (`schedules.LearnerSchedules`)."""
 
     def __init__(self, learner: Learner, optimizer: Optimizer, local_steps: int,
-                 schedulers: Sequence[Any] = ()) -> None:
+                 schedulers: Sequence[Any] = (), adaptive: bool = False) -> None:
         self.learner, self.optimizer, self.local_steps = learner, optimizer, local_steps
+        self.adaptive = adaptive  # the server decides each round's H (AdaComm)
         learner.draws_per_push = local_steps  # a push's time is that of its H mini-batches
         self.schedules: LearnerSchedules | None = None
         if schedulers:
@@ -54,7 +62,8 @@ class LocalSteps:
         one the simulated engine computes across an epoch's end)."""
         learner = self.learner
         while self.schedules is not None and self.epochs_ended < learner.server_epochs:
-            self.schedules.epoch_ended(self.epochs_ended, learner.epoch_version)
+            self.schedules.epoch_ended(self.epochs_ended, learner.epoch_inner_steps if self.adaptive
+                                       else learner.epoch_version * self.local_steps)
             self.epochs_ended += 1
         if self.round is not None and learner.version != self.version:
             learner.cancelled += 1
@@ -64,9 +73,11 @@ class LocalSteps:
             assert pulled is not None, "local updates start from the parameters the learner took"
             learner.vectors.load_state(pulled)
             self._follow_server()
+            h = learner.next_local_steps if self.adaptive and learner.next_local_steps else self.local_steps
+            learner.draws_per_push = h  # (the push carries it: the server counts its inner steps)
             # Every round's end leaves the optimizer a copy of self.state (its own tensors after a
             # push, a clone after a cancellation): only a learner that never pushed needs one.
-            self.round = LocalRound(None, self.local_steps, self.optimizer, self.state,
+            self.round = LocalRound(None, h, self.optimizer, self.state,
                                     give_state=self.state is None)
             self.version, self.samples, self.started_at = learner.version, 0, time.monotonic()
 
@@ -100,7 +111,13 @@ class LocalSteps:
 
     def _follow_server(self) -> None:
         if self.schedules is not None:
-            self.schedules.follow(max(self.learner.version, 0))
+            self.schedules.follow(self.inner_steps)
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps along the server's trajectory up to the version held (``global_step``)."""
+        learner = self.learner
+        return learner.inner_steps if self.adaptive else max(learner.version, 0) * self.local_steps
 
     def _abandon(self) -> None:
         """Drop the round and what it did to the inner optimizer's state."""

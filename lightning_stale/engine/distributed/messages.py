@@ -18,22 +18,23 @@ if TYPE_CHECKING:  # (lanes imports this module)
     from lightning_stale.engine.distributed.lanes import LentPayload
 
 MAGIC = 0x5354414C45  # "STALE"
-PROTOCOL = 5
+PROTOCOL = 6
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8)
 
 # (field, struct format), in wire order; little-endian, no padding.
 HEADER = (
     ("magic", "q"), ("protocol", "q"), ("kind", "q"), ("learner", "q"), ("version", "q"),
     ("epoch", "q"), ("samples", "q"), ("cancelled", "q"), ("pushes", "q"), ("flags", "q"),
-    ("dead", "q"), ("seq", "q"), ("delivery", "q"),
+    ("dead", "q"), ("seq", "q"), ("delivery", "q"), ("local_steps", "q"), ("inner_steps", "q"),
     ("numel", "q"), ("dtype", "q"), ("inline", "q"),
     ("loss", "d"), ("hold", "d"), ("age", "d"),
 )
 _STRUCT = struct.Struct("<" + "".join(fmt for _, fmt in HEADER))
 # The fields a message holds as they are, packed and unpacked in one call each (the hot path).
 _NAMES = tuple(name for name, _ in HEADER)
-assert _NAMES[:3] == ("magic", "protocol", "kind") and _NAMES[13:16] == ("numel", "dtype", "inline")
-_INTS, _FLOATS = _NAMES[3:13], _NAMES[16:]
+_ROUTE = _NAMES.index("numel")  # numel, dtype, inline: the payload's route, not message fields
+assert _NAMES[:3] == ("magic", "protocol", "kind") and _NAMES[_ROUTE:_ROUTE + 3] == ("numel", "dtype", "inline")
+_INTS, _FLOATS = _NAMES[3:_ROUTE], _NAMES[_ROUTE + 3:]
 _ints_of, _floats_of = operator.attrgetter(*_INTS), operator.attrgetter(*_FLOATS)
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 # Payloads up to this size travel inside the header's frame: one gloo message instead of two,
@@ -123,6 +124,10 @@ class Message(Envelope):
     dead: int = 0  # downlink: learners dead so far (``on_learner_failure="continue"``)
     seq: int = 0  # PUSH: the learner's push counter (the sharded path pairs its pieces by it)
     delivery: int = 0  # a SLICED downlink message: the delivery its SLICEs belong to
+    # Local updates (AdaComm's H decided by the server). PUSH: the H of the round it ends (0: one
+    # mini-batch); downlink: the H of the learner's next round (0: its own, fixed ``local_steps``).
+    local_steps: int = 0
+    inner_steps: int = 0  # downlink: inner steps along the server's trajectory up to ``version``
     loss: float = 0.0  # PUSH: the mini-batch's training loss (NaN when unknown)
     # downlink, for the learner's NTP-style latency estimate (`clocks.MessageLatency`): pushes
     # received from this learner, and seconds from the server receiving the latest to sending this
@@ -201,9 +206,9 @@ def decode_header(data, sender: str, max_numel: int) -> tuple[Envelope, int, tor
     cls = _TYPE_OF[kind]
     message: Envelope
     if cls is Message:
-        message = Message(kind, **dict(zip(_INTS, values[3:13])), **dict(zip(_FLOATS, values[16:])))
+        message = Message(kind, **dict(zip(_INTS, values[3:_ROUTE])), **dict(zip(_FLOATS, values[_ROUTE + 3:])))
     else:
-        message = cls(kind, **{n: v for n, v in zip(_INTS, values[3:13]) if n in _WIRE[cls]})
+        message = cls(kind, **{n: v for n, v in zip(_INTS, values[3:_ROUTE]) if n in _WIRE[cls]})
     return message, header["numel"], DTYPES[header["dtype"]], header["inline"]
 
 
@@ -235,7 +240,8 @@ def coalesce(messages: list[Message | Order]) -> list[Message | Order]:
         if last.kind != Kind.PARAMS and refreshes:  # keep the newest parameters (or their slices)
             newest = refreshes[-1]
             last = replace(last, kind=Kind.PARAMS, payload=newest.payload, version=newest.version,
-                           delivery=newest.delivery, flags=newest.flags, ready=newest.ready)
+                           inner_steps=newest.inner_steps, delivery=newest.delivery, flags=newest.flags,
+                           ready=newest.ready)
         out.append(last)
         run.clear()
 

@@ -46,7 +46,7 @@ def build_rank(rank: int, group, module: nn.Module, optimizer: Optimizer, schedu
     if rank == 0:
         assert parts.server_side is not None, f"the {path.name} path builds rank 0's server side"
         core = ServerCore(variant, parts.state, limits, options.adaptive, options.compensation,
-                          clock=time.monotonic(), observer=options.observer)
+                          clock=time.monotonic(), observer=options.observer, adaptive_h=options.adaptive_h)
         if resume is not None:
             core.load_state_dict(resume)
         server = ParameterServer(core, parts.server_side, options.on_learner_failure)

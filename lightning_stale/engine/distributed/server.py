@@ -181,7 +181,7 @@ class ParameterServer:
         with self.lock:
             outcome = self.core.push(message.learner, message.version, self._cause,
                                      contribution=contribution, loss=message.loss,
-                                     samples=message.samples, unusable=unusable)
+                                     samples=message.samples, unusable=unusable, local_steps=message.local_steps)
             if contribution is not None and message.lent is not None and not message.lent.settled \
                     and self.core.holds(contribution):
                 contribution.own()  # (K > 1) it waits for other gradients: out of the slot
@@ -303,7 +303,7 @@ class ParameterServer:
     def _message(self, learner: int, kind: Kind, decision: Decision | None = None) -> Message:
         core = self.core
         message = Message(kind, learner, core.version, core.epoch, dead=len(core.rules.counts.dead_learners),
-                          caused_at=self._cause)
+                          local_steps=core.local_steps, inner_steps=core.inner_steps, caused_at=self._cause)
         self.payloads.fill(message, core, decision)
         return message
 

@@ -18,7 +18,7 @@ from lightning_stale.engine.core import ServerCore
 from lightning_stale.engine.distributed.messages import Message
 from lightning_stale.engine.schedules import Schedules
 from lightning_stale.engine.state import ModelVectors, ServerState
-from lightning_stale.method.adaptive import AdaptiveK
+from lightning_stale.method.adaptive import AdaptiveH, AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.rules import Decision, Update
 from lightning_stale.method.variants import Variant
@@ -46,6 +46,7 @@ class RankOptions:
     # local updates (central and collective paths): H inner steps per push, and what builds the outer optimizer
     local_steps: int = 1
     outer: Callable[[Sequence[Any]], Optimizer] | None = None
+    adaptive_h: AdaptiveH | None = None  # AdaComm's schedule of H, run by rank 0's server (central path)
 
 
 def spread_path_problem(name: str, on_learner_failure: str,
