@@ -28,7 +28,7 @@ with ``global_step`` = H x updates, the inner steps along the server's trajector
 
       mean(pushes_per_learner) x 4 x (2 x parameters + 2 x buffers) / global_step
 
-  neglecting the two fixed-size headers (``HEADER_BYTES``, 152 bytes) of each push and answer;
+  neglecting the two fixed-size headers (``HEADER_BYTES``) of each push and answer;
 - collective (``paths/collective``): per push the learner sends a header alone (the
   pseudo-gradient stays with it), and per update it receives the server's decision (a header
   with ``update_payload`` inline: K, the pushes taken from each learner and the overlap flag,
