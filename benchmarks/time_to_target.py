@@ -64,7 +64,8 @@ def parse_variant(spec: str) -> tuple[str, int | None]:
 
 def contestants(args) -> list[dict]:
     """The race's contestants, ddp first, each with the (variant, K, H, outer) it stands for."""
-    found = [dict(spec="sync@ddp", variant="ddp", k=None, h=1, outer="")]
+    found = [dict(spec=f"{{variant: sync, engine: ddp, overrides: {{trainer.max_steps: {args.ddp_steps}}}}}",
+                  variant="ddp", k=None, h=1, outer="")]
     for spec in args.variants:
         name, k = parse_variant(spec)
         for h in args.h:
@@ -78,17 +79,19 @@ def contestants(args) -> list[dict]:
     return found
 
 
+def race_overrides(args, race_dir: Path, entries: list[dict]) -> list[str]:
+    """The app's command-line overrides for the race of ``entries`` into ``race_dir``."""
+    specs = [entry["spec"] for entry in entries]
+    return [f"hydra.run.dir={race_dir}", f"seed={args.seed}", f"delay.seed={args.seed}",
+            f"delay.shift={args.shift}", f"delay.mean={args.mean}", f"trainer.devices={args.learners}",
+            f"trainer.max_steps={args.budget_steps}", "validate=false",
+            "trainer.check_val_every_n_epoch=100000", f"race.window={args.window}",
+            "race.target_loss=null", f"race.contestants=[{','.join(specs)}]"]
+
+
 def run_race(args, race_dir: Path, entries: list[dict]) -> None:
     """The race in its own P processes (Lightning's popen launcher re-runs the app's command)."""
-    specs = [entry["spec"] if entry["variant"] != "ddp" else
-             f"{{variant: sync, engine: ddp, overrides: {{trainer.max_steps: {args.ddp_steps}}}}}"
-             for entry in entries]
-    command = [sys.executable, "-m", "lightning_stale.train", f"hydra.run.dir={race_dir}",
-               f"seed={args.seed}", f"delay.seed={args.seed}", f"delay.shift={args.shift}",
-               f"delay.mean={args.mean}", f"trainer.devices={args.learners}",
-               f"trainer.max_steps={args.budget_steps}", "validate=false",
-               "trainer.check_val_every_n_epoch=100000", f"race.window={args.window}",
-               "race.target_loss=null", f"race.contestants=[{','.join(specs)}]"]
+    command = [sys.executable, "-m", "lightning_stale.train", *race_overrides(args, race_dir, entries)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     print(" ".join(command[1:]), flush=True)
     subprocess.run(command, check=True, env=env)
