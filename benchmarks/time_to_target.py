@@ -172,12 +172,16 @@ def main() -> None:
         print(f"best local-update contestant: {best['contestant']}: {best['t_target_s']:.2f} s, "
               f"{best['ddp/this']:.3g} x ddp's speed, {best['h1/this']:.3g} x its H = 1's")
     print(f"race: {report.figure} ({total:.0f} s)")
+    summary = {"target_loss": target, "window": args.window, "ddp_t_target_s": rows[0]["t_target_s"],
+               "best_local": best["contestant"] if best else "none reached the target"}
+    if best:
+        summary.update({"best_h": best["h"], "best_t_target_s": best["t_target_s"],
+                        "best_ddp/this": best["ddp/this"], "best_h1/this": best["h1/this"]})
     settings = {"learners": args.learners, "shift_s": args.shift, "exp_mean_s": args.mean,
                 "ddp_steps": args.ddp_steps, "inner_step_budget": args.budget_steps,
                 "variants": args.variants, "h": args.h, "outer": args.outer, "window": args.window,
                 "target_loss": target, "threads": args.threads, "launch_wall_s": total,
-                "best_local": best and {key: best[key] for key in
-                                        ("contestant", "t_target_s", "ddp/this", "h1/this")}}
+                "summary": summary}
     paths = write_results(out, "time_to_target", rows, settings)
     print("results:", *map(str, paths))
 
