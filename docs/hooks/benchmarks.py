@@ -28,7 +28,8 @@ NAMED = {"k", "devices", "learner", "h"}  # label columns shown as name=value un
 # Per benchmark: the table's columns (None: all), where the rows are ("figures", or a key of
 # "settings"), and the figure: bars of `value` per row labelled by `label` columns, or lines of
 # `value` against `x`, one panel per `panel` value and one line per `series` combination.
-# `reference` draws a dashed line (1 = parity).
+# `reference` draws a dashed line (1 = parity). `also` adds tables drawn from the same file by
+# other entries; an entry with `part_of` (or `list`) is such a table, not a benchmark of the index.
 SPECS: dict[str, dict[str, Any]] = {
     "runtime_fidelity": dict(columns=["variant", "k", "updates", "theory_s", "measured_s", "measured/theory",
                                       "replay/theory", "measured/replay"],
@@ -49,6 +50,15 @@ SPECS: dict[str, dict[str, Any]] = {
                                  ylabel="samples/s over ddp's"),
     "straggler_win": dict(columns=None, plot="bar", label=["variant", "k"], value=r"^t_[0-9.]+_s$",
                           ylabel="seconds to the first target loss"),
+    "time_to_target": dict(columns=["contestant", "h", "outer", "t_target_s", "updates_at_target",
+                                    "inner_steps_at_target", "ddp/this", "h1/this", "updates", "inner_steps",
+                                    "s_per_inner_step", "final_loss"],
+                           plot="bar", label=["contestant"], value="t_target_s",
+                           ylabel="seconds to the target loss",
+                           also=[("time_to_target_summary", "The target and the best local-update contestant")]),
+    "time_to_target_summary": dict(rows="summary", part_of="time_to_target",
+                                   columns=["target_loss", "window", "ddp_t_target_s", "best_local", "best_h",
+                                            "best_t_target_s", "best_ddp/this", "best_h1/this"], plot=None),
     "simulation_cost": dict(columns=["run", "k", "steps_per_s", "vs_plain", "vs_plain_per_repeat",
                                      "pushes_per_update"],
                             plot="bar", label=["run", "k"], value="vs_plain", reference=1.0,
@@ -281,7 +291,8 @@ def section(benchmark: str, kind: str, command: str, has_figure: bool) -> str:
 
 def index_table() -> str:
     lines = ["| benchmark | CPU results | GPU results |", "| --- | --- | --- |"]
-    for benchmark in sorted(b for b, spec in SPECS.items() if "list" not in spec):  # (not sub-tables)
+    for benchmark in sorted(b for b, spec in SPECS.items()  # (not sub-tables)
+                            if "list" not in spec and "part_of" not in spec):
         cells = []
         for kind in KINDS:
             doc = load(benchmark, kind)
