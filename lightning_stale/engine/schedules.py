@@ -86,13 +86,17 @@ class LearnerSchedules(Schedules):
     steps earlier than the simulated engine's, which computes it at its push. Epoch-interval
     schedulers step once an epoch has ended (`epoch_ended`), after the step-interval ones reached
     the server's version at that end, as the simulated engine orders them. Each learner steps its
-    own copies; a ``ReduceLROnPlateau`` would read each learner's own logged metrics, so it is
-    refused (`strategies.learner_rounds`)."""
+    own copies. An epoch-interval ``ReduceLROnPlateau`` steps on the metrics rank 0 logged by the
+    epoch's end (its validation included), which the server hands every learner when training goes
+    on (`Learner.epoch_metrics`): the value the simulated engine steps on, and under DDP, where every
+    rank steps on the metric logged with ``sync_dist=True``, the same on every rank; so the learners'
+    learning rates stay equal. A step-interval one is refused (`strategies.learner_rounds`)."""
 
     def __init__(self, configs: Sequence[Any], optimizer: Optimizer, steps_per_update: int) -> None:
-        assert not any(c.reduce_on_plateau for c in configs), "refused at setup"
+        assert not any(c.reduce_on_plateau and c.interval == "step" for c in configs), "refused at setup"
         super().__init__(configs, optimizer, steps_per_update=steps_per_update)
         self.followed = 0  # the server version the step-interval schedulers stand at
+        self.plateaus = any(c.reduce_on_plateau for c in configs)  # (they need rank 0's metrics)
 
     def follow(self, version: int) -> None:
         """Bring the step-interval schedulers to the server's ``version`` (never back)."""
@@ -101,10 +105,11 @@ class LearnerSchedules(Schedules):
             self.before_step()  # (torch warns of a scheduler stepped before its optimizer)
             self.after_update(self.followed)
 
-    def epoch_ended(self, epoch: int, version: int) -> None:
-        """The server's epoch ``epoch`` (from 0) ended at its ``version``."""
+    def epoch_ended(self, epoch: int, version: int, metrics: Mapping[str, float] | None = None) -> None:
+        """The server's epoch ``epoch`` (from 0) ended at its ``version``; ``metrics``: rank 0's
+        monitored values then, for the plateau schedulers."""
         self.follow(version)
-        self.end_epoch(epoch, {})
+        self.end_epoch(epoch, metrics or {})
 
 
 def _step(config: Any, metrics: Mapping[str, float]) -> None:
