@@ -130,8 +130,8 @@ def test_the_real_engine_steps_the_plateau_on_the_value_the_simulated_one_does(o
                                        record_trace=False), "real")
     simulated, simulated_lrs = fit(SimulatedStaleStrategy("sync", num_learners=1, local_steps=3,
                                                           outer_optimizer=NESTEROV), "simulated")
-    # epochs of 6 batches, 2 pushes; max_steps=29 inner steps: 10 updates, the fit ending inside
-    # the fifth epoch, after four epochs' ends that training went on from
+    # epochs of 6 batches, 2 pushes; max_steps=29 inner steps: 10 updates, the fifth epoch's end
+    # coming with the last (no round follows it: the learners step on the four before)
     for trainer in (real, simulated):
         assert trainer.strategy.stats["updates"] == 10 and trainer.global_step == 30
     assert real.strategy.stats["epochs"] == 5
@@ -162,3 +162,18 @@ def test_a_missing_monitored_metric_gets_lightnings_error(one_process, tmp_path)
                                                         r"'val/loss'.*\]\. Condition can be set using `monitor`"):
         _lightning_fit(StaleStrategy("sync", local_steps=3, record_trace=False), tmp_path, module=MissingMetricPlateau,
                        n=48, max_steps=29, max_epochs=20)
+
+
+def test_the_metrics_message_crosses_the_wire_between_processes():
+    """What the server sends each learner between processes (`frames.encode`, `frames.decode`)."""
+    import json
+
+    from lightning_stale.engine.distributed.frames import decode, encode
+    from lightning_stale.engine.distributed.messages import Kind, Message, payload_text, text_payload
+
+    sent = Message(Kind.METRICS, 2, version=7, epoch=3, payload=text_payload(json.dumps({"val/loss": 0.25})))
+    frame, separate = encode(sent)
+    assert separate is None  # (small: inside the frame)
+    received, _, _, _ = decode(frame, "the server", max_numel=1 << 20)
+    assert (received.kind, received.learner, received.version, received.epoch) == (Kind.METRICS, 2, 7, 3)
+    assert json.loads(payload_text(received.payload)) == {"val/loss": 0.25}

@@ -135,7 +135,8 @@ class ParameterServer:
 
     def _handle(self, event) -> None:
         if isinstance(event, tuple):
-            kind, metrics, handed = event
+            kind, metrics, *handed_if_any = event  # (metrics handed to the learners: resume's)
+            handed = handed_if_any[0] if handed_if_any else None
             with self.lock:
                 if kind == _GATHER:
                     self.payloads.gather(metrics)
