@@ -41,6 +41,7 @@ from lightning_stale.engine.state import Contribution, ModelVectors, ServerState
 from lightning_stale.method.adaptive import AdaptiveH, AdaptiveK
 from lightning_stale.method.compensation import StalenessCompensation
 from lightning_stale.method.variants import Variant
+from lightning_stale.strategies.learner_rounds import handed_metrics
 from lightning_stale.strategies.local_updates import outer_optimizer_factory, plain_averaging
 from thread_ranks import ThreadRanks
 
@@ -200,7 +201,8 @@ def optimizer_and_schedulers(module) -> tuple[torch.optim.Optimizer, list]:
     if spec is None:
         return configured["optimizer"], []
     spec = spec if isinstance(spec, dict) else {"scheduler": spec}
-    return configured["optimizer"], [LRSchedulerConfig(**spec)]
+    plateau = isinstance(spec["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau)  # (as Lightning marks it)
+    return configured["optimizer"], [LRSchedulerConfig(**spec, reduce_on_plateau=plateau)]
 
 
 def classification_loss(module, batch) -> torch.Tensor:
@@ -237,6 +239,11 @@ class InProcessRun:
     # learner -> the mini-batch before whose forward it dies (its process gone: no goodbye, its
     # round in progress lost), the server hearing of it as from a broken connection
     die_at: dict[int, int] = field(default_factory=dict)
+    # epochs: the server ends one every ``pushes_per_epoch`` pushes (0: never); at its end each
+    # learner "validates" and logs ``logged(rank, epoch)`` (a dict), and rank 0 resumes the server
+    # with its metrics as `StaleStrategy` does, handing the learners their plateau schedulers' share
+    pushes_per_epoch: int = 0
+    logged: object = None
 
     def __post_init__(self) -> None:
         self.pushes: list[RecordedPush] = []
@@ -280,7 +287,8 @@ class InProcessRun:
         if adaptive is not None:
             adaptive.limit(self.p)
             variant = Variant.create(self.variant, self.p, adaptive.k0)
-        self.core = ServerCore(variant, None if collective else state, ServerLimits(max_updates=self.max_updates),
+        self.core = ServerCore(variant, None if collective else state,
+                               ServerLimits(max_updates=self.max_updates, pushes_per_epoch=self.pushes_per_epoch),
                                adaptive=adaptive, compensation=compensation, clock=time.monotonic(),
                                adaptive_h=AdaptiveH.create(self.adaptive_h, h0=self.local_steps))
         self.versions[0] = state.snapshot(0).clone()
@@ -357,10 +365,21 @@ class InProcessRun:
                     rounds.step(loss.item(), len(batch[1]))
                 else:
                     learner.step(loss.item(), len(batch[1]), time.monotonic())
+                if learner.paused and not learner.stopped:
+                    self._end_epoch(rank)
             learner.close(TIMEOUT_S)
         except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
             self.errors.append(exc)
             self.server.events.put(Message(Kind.ABORT, rank, error=f"learner {rank}: {exc!r}"))
+
+    def _end_epoch(self, rank: int) -> None:
+        """Where Lightning's loader stops at the server's epoch's end: validation, then the next
+        epoch's first batch (`StaleStrategy.on_train_batch_start`)."""
+        learner = self.learners[rank]
+        metrics = self.logged(rank, learner.server_epochs - 1) if self.logged is not None else {}
+        if rank == 0:
+            self.server.resume(metrics, handed_metrics(self.inner_schedulers[0], metrics) if self.local else None)
+        learner.resume()
 
     # ------------------------------------------------------------------ what the method says
     def pushed(self, push_id: int) -> Contribution:

@@ -87,13 +87,17 @@ class LearnerSchedules(Schedules):
     steps earlier than the simulated engine's, which computes it at its push. Epoch-interval
     schedulers step once an epoch has ended (`epoch_ended`), after the step-interval ones reached
     the server's version at that end, as the simulated engine orders them. Each learner steps its
-    own copies; a ``ReduceLROnPlateau`` would read each learner's own logged metrics, so it is
-    refused (`strategies.learner_rounds`)."""
+    own copies. An epoch-interval ``ReduceLROnPlateau`` steps on the metrics rank 0 logged by the
+    epoch's end (its validation included), which the server hands every learner when training goes
+    on (`Learner.epoch_metrics`): the value the simulated engine steps on, and under DDP, where every
+    rank steps on the metric logged with ``sync_dist=True``, the same on every rank; so the learners'
+    learning rates stay equal. A step-interval one is refused (`strategies.learner_rounds`)."""
 
     def __init__(self, configs: Sequence[Any], optimizer: Optimizer, steps_per_update: int) -> None:
-        assert not any(c.reduce_on_plateau for c in configs), "refused at setup"
+        assert not any(c.reduce_on_plateau and c.interval == "step" for c in configs), "refused at setup"
         super().__init__(configs, optimizer, steps_per_update=steps_per_update)
         self.followed = 0  # the inner step the step-interval schedulers stand at
+        self.plateaus = any(c.reduce_on_plateau for c in configs)  # (they need rank 0's metrics)
 
     def follow(self, inner_steps: int) -> None:
         """Bring the step-interval schedulers to inner step ``inner_steps`` of the server's
@@ -104,10 +108,11 @@ class LearnerSchedules(Schedules):
             self.after_update(0)
             self.followed = inner_steps
 
-    def epoch_ended(self, epoch: int, inner_steps: int) -> None:
-        """The server's epoch ``epoch`` (from 0) ended at inner step ``inner_steps``."""
+    def epoch_ended(self, epoch: int, inner_steps: int, metrics: Mapping[str, float] | None = None) -> None:
+        """The server's epoch ``epoch`` (from 0) ended at inner step ``inner_steps``; ``metrics``:
+        rank 0's monitored values then, for the plateau schedulers."""
         self.follow(inner_steps)
-        self.end_epoch(epoch, {})
+        self.end_epoch(epoch, metrics or {})
 
 
 def _step(config: Any, metrics: Mapping[str, float]) -> None:

@@ -9,6 +9,8 @@ import math
 from typing import Any
 
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from lightning_stale.engine.core import ServerLimits
 from lightning_stale.engine.distributed.learner import Learner
@@ -40,16 +42,25 @@ class LearnerRounds:
 
     def refuse_schedulers(self, schedulers: list) -> None:
         """With local updates, each learner steps its inner optimizer's LR schedulers along the
-        server's trajectory (`engine.schedules.LearnerSchedules`); a ``ReduceLROnPlateau`` is
-        refused (at setup, where the schedulers are known): each learner would step it on the
-        metrics it logged itself, and the learners' learning rates would part."""
-        plateaus = [type(c.scheduler).__name__ for c in schedulers if c.reduce_on_plateau]
+        server's trajectory (`engine.schedules.LearnerSchedules`). An epoch-interval
+        ``ReduceLROnPlateau`` steps at every epoch's end on rank 0's monitored metric, handed to
+        every learner (`handed_metrics`); a step-interval one is refused (at setup, where the
+        schedulers are known): stepped per server update it would read, on each learner, the
+        metrics that learner logged itself, and the learners' learning rates would part."""
+        plateaus = [c for c in schedulers if c.reduce_on_plateau and c.interval == "step"]
         if self.local_updates and plateaus:
-            raise ValueError(f"StaleStrategy with local_steps={self.local_steps} cannot run {plateaus[0]}: "
-                             "each learner would step it on its own logged metrics, so the learners' "
-                             "learning rates would part; use a schedule of the step or epoch count "
-                             "(LambdaLR, StepLR, CosineAnnealingLR, ...), or SimulatedStaleStrategy for "
-                             "ReduceLROnPlateau with local updates")
+            raise ValueError(f"StaleStrategy with local_steps={self.local_steps} cannot run "
+                             f"{type(plateaus[0].scheduler).__name__} with interval='step': each learner "
+                             "would step it on the metrics it logged itself, so the learners' learning "
+                             "rates would part; use interval='epoch' (stepped at every epoch's end on rank "
+                             "0's value of the monitored metric, the same for every learner), a schedule "
+                             "of the step count (LambdaLR, StepLR, CosineAnnealingLR, ...), or "
+                             "SimulatedStaleStrategy")
+
+    def handed_metrics(self, metrics: dict[str, float]) -> dict[str, float] | None:
+        """On rank 0 when training goes on after an epoch's end: what the server hands every
+        learner for its plateau schedulers (`handed_metrics`; None without local updates)."""
+        return handed_metrics(self._schedulers, metrics) if self.local_updates else None
 
     def start_rounds(self, learner: Learner) -> LocalSteps | None:
         """This rank's rounds of local updates (None without them), its inner optimizer's LR
@@ -104,3 +115,26 @@ class LearnerRounds:
                              "optimizer states are not saved; resume on SimulatedStaleStrategy, or start "
                              "a new fit from the checkpoint's weights (LightningModule.load_from_checkpoint)")
         return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
+
+
+def handed_metrics(schedulers: list, metrics: dict[str, float]) -> dict[str, float] | None:
+    """Rank 0's values of the metrics that the learners' epoch-interval plateau schedulers monitor
+    (None where none runs), logged by an epoch's end (its validation included): the server hands
+    them to every learner, so that all step on the same value, as every DDP rank steps on the
+    metric logged with ``sync_dist=True``, and as the simulated engine steps on rank 0's. A metric
+    that is missing gets Lightning's own error (with ``strict=False``, its warning, and the
+    schedulers skip that step, as Lightning's do)."""
+    plateaus = [c for c in schedulers if c.reduce_on_plateau]
+    if not plateaus:
+        return None
+    for config in plateaus:
+        if config.monitor in metrics:
+            continue
+        if config.strict:  # (Lightning's words: `_TrainingEpochLoop._update_learning_rates`)
+            raise MisconfigurationException(
+                f"ReduceLROnPlateau conditioned on metric {config.monitor} which is not available. "
+                f"Available metrics are: {list(metrics)}. Condition can be set using `monitor` key "
+                "in lr scheduler dict")
+        rank_zero_warn(f"ReduceLROnPlateau conditioned on metric {config.monitor} which is not available "
+                       "but strict is set to `False`. Skipping learning rate update.", category=RuntimeWarning)
+    return {c.monitor: metrics[c.monitor] for c in plateaus if c.monitor in metrics}

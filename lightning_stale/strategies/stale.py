@@ -157,15 +157,16 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
     ``adaptive_h``, global_step sums the H of the updates, each its completing push's H). Each
     learner steps its own schedulers: a round from server version v runs its H inner steps at the
     schedule's value of inner step v x H (the simulated engine's; under the async family s x H steps
-    before it for a push of staleness s), epoch-interval ones at every epoch's end. ``"auto"`` runs
-    them central; on the collective path an update's pseudo-gradients meet in one all-reduce and
+    before it for a push of staleness s), epoch-interval ones (plateau: on rank 0's value) at every
+    epoch's end. ``"auto"`` runs them central; on the collective path pseudo-gradients meet in one all-reduce and
     every learner applies the outer step. ``adaptive_k`` grows K from the rounds' losses, the
     staleness compensations weigh the pseudo-gradients (the "norm" rule with the outer
     optimizer's learning rate), and ``on_learner_failure="continue"`` loses a dead learner's round
     in progress, on the paths that run them without local updates. Refused with them, naming
     what to use instead: the sharded path (and ``adaptive_h`` off the central one), ``record_events``,
-    ``payload_channels`` (at construction), ``ReduceLROnPlateau`` (at setup), and resuming with
-    ``ckpt_path`` (the learners' inner states are not saved). Clipping applies to each inner step.
+    ``payload_channels`` (at construction), a step-interval ``ReduceLROnPlateau`` (at setup), and
+    resuming with ``ckpt_path`` (the learners' inner states are not saved). Clipping applies to each
+    inner step.
     """
 
     strategy_name = "stale"
@@ -337,7 +338,7 @@ class StaleStrategy(LearnerRounds, EventRecording, RunEnding, FaultHandling, Own
             self.note_dead_learners(trainer)
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if self._server is not None:
-                self._server.resume(metrics)
+                self._server.resume(metrics, self.handed_metrics(metrics))
             schedules = self._fitting.exchange.schedules  # stepped here where learners apply updates
             if schedules is not None:
                 schedules.end_epoch(self._epoch - 1, metrics)

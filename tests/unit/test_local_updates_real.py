@@ -384,7 +384,7 @@ class RecordingLogger(Logger):
         pass
 
 
-def _lightning_fit(strategy, tmp_path, ckpt_path=None, module=MomentumClassifier, n=32, **trainer_kwargs):
+def _lightning_fit(strategy, tmp_path, ckpt_path=None, module=MomentumClassifier, n=32, data=None, **trainer_kwargs):
     import pytorch_lightning as pl
 
     from engines import QUIET
@@ -394,7 +394,7 @@ def _lightning_fit(strategy, tmp_path, ckpt_path=None, module=MomentumClassifier
     options = {**QUIET, "default_root_dir": str(tmp_path), "max_steps": 7, "max_epochs": 10, **trainer_kwargs}
     trainer = pl.Trainer(strategy=strategy, **options)
     try:
-        trainer.fit(model, datamodule=OneSampleData(batch_size=8, n=n), ckpt_path=ckpt_path)
+        trainer.fit(model, datamodule=(data or OneSampleData)(batch_size=8, n=n), ckpt_path=ckpt_path)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -447,15 +447,26 @@ def test_the_real_engine_ends_where_the_simulated_one_does_counting_inner_steps(
     assert any(not torch.equal(a, b) for a, b in zip(moved, start.parameters()))
 
 
-def test_plateau_schedulers_and_resuming_are_refused_with_local_updates(one_process, tmp_path):
+class StepPlateau(um.Plateau):
+    """ReduceLROnPlateau stepped at every optimizer step, on the training loss."""
+
+    def configure_optimizers(self):
+        configured = super().configure_optimizers()
+        configured["lr_scheduler"].update(interval="step", monitor="train/loss")
+        return configured
+
+
+def test_step_plateau_schedulers_and_resuming_are_refused_with_local_updates(one_process, tmp_path):
     import pytorch_lightning as pl
 
-    # each learner would step a ReduceLROnPlateau on its own logged metrics: refused at setup
+    # stepped per update, each learner would step a ReduceLROnPlateau on its own logged metrics:
+    # refused at setup (at every epoch's end it runs: test_local_updates_plateau.py)
     trainer = pl.Trainer(strategy=StaleStrategy("sync", local_steps=2, record_trace=False),
                          max_steps=4, **{**_quiet(), "default_root_dir": str(tmp_path)})
-    with pytest.raises(ValueError, match=r"local_steps=2 cannot run ReduceLROnPlateau.*own logged metrics"
-                                         r".*LambdaLR, StepLR.*SimulatedStaleStrategy"):
-        trainer.fit(um.Plateau(), datamodule=OneSampleData(batch_size=8, n=64))
+    with pytest.raises(ValueError, match=r"local_steps=2 cannot run ReduceLROnPlateau with interval='step'.*"
+                                         r"metrics it logged itself.*interval='epoch'.*LambdaLR, StepLR.*"
+                                         r"SimulatedStaleStrategy"):
+        trainer.fit(StepPlateau(), datamodule=OneSampleData(batch_size=8, n=64))
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
     saved = _lightning_fit(StaleStrategy("sync", local_steps=2, record_trace=False), tmp_path / "first",
                            enable_checkpointing=True, max_steps=4)

@@ -123,7 +123,7 @@ def test_an_epoch_end_pauses_everyone_without_dropping_anything():
     assert server.core._paused_at is not None  # the clock stopped
     push(server, 2, 0)  # in flight across the epoch's end: held while everyone validates
     assert endpoint.take() == [] and server.core.rules.counts.received == 2
-    server._handle(("resume", {"val/loss": 1.0}))
+    server._handle(("resume", {"val/loss": 1.0}, None))
     assert server.core._paused_at is None
     # training goes on: the held push counts, and completes the update
     assert [l for l, m in endpoint.take() if m.kind == Kind.PARAMS] == [0, 1, 2]
@@ -540,7 +540,7 @@ def test_a_push_read_in_its_slot_during_an_epochs_end_is_copied_out_and_held(tmp
     assert late.lent.settled and late.payload.data_ptr() != lane._slots[1].data_ptr()
     for value in (90.0, 91.0):  # the learner's next pushes: the second into the slot it came in
         lane.write(torch.full((3,), value), lambda: None)
-    server._handle(("resume", {}))
+    server._handle(("resume", {}, None))
     assert server.core.state.params[0].tolist() == [[-5.0, -5.0, -5.0]]  # 0 - 1 - 4
 
 

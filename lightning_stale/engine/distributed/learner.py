@@ -8,6 +8,7 @@ Failures raise `ServerFailed` (`RunInterrupted` for a signal). Where it stands i
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 import time
@@ -17,7 +18,7 @@ import torch
 
 from lightning_stale.engine import streams
 from lightning_stale.engine.distributed.clocks import POLL_S, MiniBatchClock, Silence
-from lightning_stale.engine.distributed.messages import Flag, Kind, Message, text_payload
+from lightning_stale.engine.distributed.messages import Flag, Kind, Message, payload_text, text_payload
 from lightning_stale.engine.distributed.paths.base import LearnerSide
 from lightning_stale.engine.distributed.phases import Carried, Events, Phase, RunInterrupted, ServerFailed, advance
 from lightning_stale.engine.distributed.transport import LearnerEndpoint
@@ -43,6 +44,7 @@ class Learner:
         self.epoch_version = 0  # the server's version at its latest epoch's end
         # AdaComm: inner steps to the version held and the latest epoch's end; the next round's H (0: fixed)
         self.inner_steps = self.epoch_inner_steps = self.next_local_steps = 0
+        self.epoch_metrics: dict[int, dict] = {}  # epochs ended -> rank 0's metrics handed (METRICS)
         self._epoch_heard: int | None = None  # the epoch count of the server's latest answer
         self.phase = Phase.COMPUTING  # where this learner stands (`phases.MOVES`)
         self.stop_requested = False  # this learner asked the server to stop (`request_stop`)
@@ -131,6 +133,9 @@ class Learner:
             self.dead_learners = max(self.dead_learners, m.dead)
             if m.kind == Kind.PRESENT:
                 self._roll_answered = max(self._roll_answered, m.epoch)
+                continue
+            if m.kind == Kind.METRICS:
+                self.epoch_metrics[m.epoch] = json.loads(payload_text(m.payload))
                 continue
             if m.kind == Kind.EPOCH:
                 if self.roll_call and self.phase not in (Phase.LEFT, Phase.DONE) and (self._reported or 0) < m.epoch:
@@ -254,6 +259,12 @@ class Learner:
             self._carry(Carried(push))
             return True
         return self._delay_and_push(Carried(push))
+
+    def wait_for_metrics(self, epochs: int) -> dict | None:
+        """Rank 0's metrics handed at the end of the ``epochs``-th epoch (None: the run stopped first)."""
+        while epochs not in self.epoch_metrics and not self._stop_waits():
+            self._absorb(self._wait(None))
+        return self.epoch_metrics.get(epochs)
 
     def between_inner_steps(self) -> bool:
         """Between two inner steps of a round of local updates: take the server's messages; True

@@ -10,7 +10,8 @@ from one pushed round to the next; an abandoned round's changes to it are droppe
 simulated engine, which never computes cancelled work, never makes them. (A round whose push
 is carried over an epoch's end keeps its changes, even where an update then cancels the push.)
 The inner optimizer's LR schedulers follow the server's trajectory (`schedules.LearnerSchedules`):
-a round from version v runs at their value of inner step v x H.
+a round from version v runs at their value of inner step v x H; plateau ones step at every epoch's
+end on rank 0's metrics, which the server hands every learner (`Learner.wait_for_metrics`).
 
 AdaComm (`method.adaptive.AdaptiveH`, Wang and Joshi, SysML 2019): the server owns the schedule of
 H. Its answers carry the H in force (`Message.local_steps`) and the inner steps up to the version
@@ -48,6 +49,7 @@ class LocalSteps:
         if schedulers:
             self.schedules = LearnerSchedules(schedulers, optimizer, local_steps)
         self.epochs_ended = 0  # the server's epoch ends its epoch-interval schedulers stepped for
+        self.before_plateau = False  # the round in progress began after an epoch's end, before its plateau step
         self.round: LocalRound | None = None
         self.state: list | None = None  # the inner optimizer's state after the last pushed round
         self.version = -1  # the server version the round started from
@@ -59,12 +61,26 @@ class LocalSteps:
         whose parameters were replaced meanwhile (new ones taken when an epoch's pause ended)
         is abandoned first. The epoch-interval schedulers step before the first inner step after
         the learner heard of an epoch's end (the round in progress goes on at the new rate, as
-        one the simulated engine computes across an epoch's end)."""
+        one the simulated engine computes across an epoch's end). Plateau schedulers step on rank
+        0's metrics of that end, which the server hands every learner when training goes on:
+        waited for here, before any update of the new epoch (the server holds them until then)."""
         learner = self.learner
         while self.schedules is not None and self.epochs_ended < learner.server_epochs:
+            if self.schedules.plateaus and learner.paused:
+                # (a batch the loader drew after the end, before validation gives rank 0's metrics:
+                # a round started at the end takes it at the old rate, and is restarted below)
+                self.before_plateau = self.round is None or self.version >= learner.epoch_version
+                break
+            metrics = learner.wait_for_metrics(self.epochs_ended + 1) if self.schedules.plateaus else {}
+            if metrics is None:
+                break  # the run stopped: no round follows
             self.schedules.epoch_ended(self.epochs_ended, learner.epoch_inner_steps if self.adaptive
-                                       else learner.epoch_version * self.local_steps)
+                                       else learner.epoch_version * self.local_steps, metrics)
             self.epochs_ended += 1
+            if self.before_plateau and self.round is not None:
+                learner.cancelled += 1  # (as a mini-batch started after an epoch's end is discarded)
+                self._abandon()
+            self.before_plateau = False
         if self.round is not None and learner.version != self.version:
             learner.cancelled += 1
             self._abandon()

@@ -77,6 +77,9 @@ class Kind(IntEnum):
     # The roll call at an epoch's end (on_learner_failure="continue"). Up: paused at the EPOCH of
     # ``epoch``; down: every learner alive has (the dead removed first), ``dead`` is final.
     PRESENT = 20
+    # server -> learner: training goes on after the end of epoch ``epoch``; payload = rank 0's
+    # monitored metrics then (JSON), for the inner optimizer's plateau schedulers (local updates)
+    METRICS = 21
 
 
 _RECEIVED_KINDS = frozenset(Kind) - {Kind.FAILED}  # (FAILED is made locally, never sent)
@@ -113,7 +116,7 @@ class Envelope:
 @dataclass
 class Message(Envelope):
     """Learner <-> server: PUSH, BYE, HALT, PRESENT, INTERRUPT, ABORT up; PARAMS, CONTINUE, EPOCH,
-    STOP, HEARTBEAT, PRESENT, INTERRUPT, ABORT down (FAILED: made locally)."""
+    STOP, HEARTBEAT, PRESENT, METRICS, INTERRUPT, ABORT down (FAILED: made locally)."""
 
     learner: int = 0  # the learner it comes from (uplink) or goes to (downlink)
     version: int = 0  # PUSH: the version the gradient was computed at; downlink: the parameters'

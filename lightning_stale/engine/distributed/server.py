@@ -7,6 +7,7 @@ signal) stops every learner through the goodbye protocol."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import queue
 import threading
@@ -73,13 +74,14 @@ class ParameterServer:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def resume(self, metrics: Mapping[str, float]) -> None:
-        """Training goes on after an epoch's end (rank 0's logged metrics, for its schedulers)."""
-        self.events.put((_RESUME, dict(metrics)))
+    def resume(self, metrics: Mapping[str, float], handed: Mapping[str, float] | None = None) -> None:
+        """Training goes on after an epoch's end (rank 0's logged metrics, for its schedulers);
+        ``handed``: those every learner is sent (METRICS), for its own plateau schedulers."""
+        self.events.put((_RESUME, dict(metrics), None if handed is None else dict(handed)))
 
     def report_metrics(self, metrics: Mapping[str, float]) -> None:
         """Rank 0's latest logged metrics, for plateau schedulers stepped per update."""
-        self.events.put((_METRICS, dict(metrics)))
+        self.events.put((_METRICS, dict(metrics), None))
 
     def pop_update_records(self) -> list:
         with self.lock:
@@ -133,13 +135,17 @@ class ParameterServer:
 
     def _handle(self, event) -> None:
         if isinstance(event, tuple):
-            kind, metrics = event
+            kind, metrics, handed = event  # (handed: the metrics resume hands the learners)
             with self.lock:
                 if kind == _GATHER:
                     self.payloads.gather(metrics)
                 elif kind == _RESUME:
                     self.core.begin_epoch(time.monotonic(), metrics)
                     self.payloads.on_schedule(self.core.epoch, metrics, per_update=False)
+                    if handed is not None:  # (before any update of the new epoch, as the learners wait)
+                        for learner in self.core.rules.alive:
+                            self._out.send(learner, Message(Kind.METRICS, learner, self.core.version, self.core.epoch,
+                                                            payload=text_payload(json.dumps(handed))))
                 else:
                     self.core.report_metrics(metrics)
                     self.payloads.on_schedule(self.core.epoch, metrics, per_update=True)
@@ -321,4 +327,4 @@ class ParameterServer:
 
     def gather(self, request: int) -> None:
         """Have the payloads collect the model's state where it is spread."""
-        self.events.put((_GATHER, request))
+        self.events.put((_GATHER, request, None))
