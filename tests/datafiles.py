@@ -1,8 +1,9 @@
-"""Tiny MNIST and CIFAR-10 files in torchvision's on-disk formats, and a tiny delay trace, for
-tests that need local data (nothing is downloaded)."""
+"""Tiny MNIST and CIFAR-10 files in torchvision's on-disk formats, a tiny delay trace and a race
+contestant's folder, for tests that need local data (nothing is downloaded)."""
 
 from __future__ import annotations
 
+import csv
 import gzip
 import pickle
 import struct
@@ -54,3 +55,26 @@ def write_trace(path: Path, learners: int = 4) -> None:
     rows = ["learner,index,delay_s"]
     rows += [f"{learner},{index},0.01" for learner in range(learners) for index in range(3)]
     path.write_text("\n".join(rows) + "\n")
+
+
+def fake_contestant(run_dir: Path, overrides: list[str], losses, seconds_per_update: float,
+                    staleness: float = 0.0, staleness_max: int = 1, k: int = 2) -> Path:
+    """A race contestant's folder as train() leaves it: .hydra/config.yaml and wallclock.csv,
+    one row per update of ``losses``, ``seconds_per_update`` apart."""
+    from omegaconf import OmegaConf
+
+    from lightning_stale.config import compose_config
+    from lightning_stale.strategies.callbacks import METRIC_NAMES
+
+    cfg = compose_config("train", ["race=none", *overrides])
+    (run_dir / ".hydra").mkdir(parents=True)
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    logs = run_dir / "csv" / "version_0"
+    logs.mkdir(parents=True)
+    with open(logs / "wallclock.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(METRIC_NAMES))
+        writer.writeheader()
+        for j, loss in enumerate(losses):
+            writer.writerow(dict(zip(METRIC_NAMES, (j + 1, (j + 1) * seconds_per_update, 0.0,
+                                                    32 * (j + 1), loss, staleness, staleness_max, k))))
+    return run_dir

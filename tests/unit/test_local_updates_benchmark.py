@@ -3,29 +3,21 @@ they fall as 1/H on both paths, and the collective path's count is what its lear
 recorded on the real collective path's learners (threads as ranks, tests/inprocess.py) with a
 module that has floating and integer buffers (BatchNorm's statistics and its counter)."""
 
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import thread_ranks
 import torch
 import user_modules as um
+from benchmark_scripts import import_benchmark
 from inprocess import InProcessRun, blob_batches
 
 from lightning_stale.engine.distributed.messages import HEADER_BYTES
 from lightning_stale.engine.distributed.paths.collective.path import update_payload
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # (the scripts import their `_common` as a sibling)
-    try:
-        return importlib.import_module("local_updates_vs_ddp")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return import_benchmark("local_updates_vs_ddp")
 
 
 def test_bytes_per_inner_step_fall_as_one_over_h_on_both_paths(bench):

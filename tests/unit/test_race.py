@@ -11,14 +11,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
+from datafiles import fake_contestant
 
-from lightning_stale.analysis.race import (delay_injection, race_rows, time_to_loss,
-                                           write_race_report)
+from lightning_stale.analysis.race import delay_injection, race_rows, time_to_loss, write_race_report
 from lightning_stale.analysis.runs import load_run
-from lightning_stale.config import (ConfigError, Contestant, check_race_overrides,
-                                    compose_config, contestant_configs, is_race, parse_contestant)
-from lightning_stale.strategies.callbacks import METRIC_NAMES
+from lightning_stale.config import (
+    ConfigError,
+    Contestant,
+    check_race_overrides,
+    compose_config,
+    contestant_configs,
+    is_race,
+    parse_contestant,
+)
 from lightning_stale.train import contestant_folder, train
 
 
@@ -104,23 +109,6 @@ def test_time_to_loss_uses_the_trailing_mean():
     never = time_to_loss(times, losses, 0.4, 2)
     assert math.isnan(never[0]) and never[1] is None
     assert time_to_loss(times, losses, 9.0, 20)[1] is None  # fewer updates than the window
-
-
-def fake_contestant(run_dir: Path, overrides: list[str], losses, seconds_per_update: float,
-                    staleness: float = 0.0) -> Path:
-    """A contestant's folder as train() leaves it: .hydra/config.yaml and wallclock.csv."""
-    cfg = compose_config("train", ["race=none", *overrides])
-    (run_dir / ".hydra").mkdir(parents=True)
-    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-    logs = run_dir / "csv" / "version_0"
-    logs.mkdir(parents=True)
-    with open(logs / "wallclock.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(METRIC_NAMES))
-        writer.writeheader()
-        for j, loss in enumerate(losses):
-            writer.writerow(dict(zip(METRIC_NAMES, (j + 1, (j + 1) * seconds_per_update, 0.0,
-                                                    32 * (j + 1), loss, staleness, 1, 2))))
-    return run_dir
 
 
 LOSSES = np.linspace(2.0, 0.2, 40)  # reaches a mean of 0.5 over 5 updates at update 36

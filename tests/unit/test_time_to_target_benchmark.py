@@ -3,30 +3,21 @@ valid real-engine race whose contestants carry their H, and its figures follow t
 definitions, with ddp's final loss as the one target."""
 
 import argparse
-import csv
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from benchmark_scripts import import_benchmark
+from datafiles import fake_contestant
 from omegaconf import OmegaConf
 
 from lightning_stale.analysis.race import final_loss, time_to_loss
 from lightning_stale.config import compose_config, contestant_configs
-from lightning_stale.strategies.callbacks import METRIC_NAMES
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # (the scripts import their `_common` as a sibling)
-    try:
-        return importlib.import_module("time_to_target")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return import_benchmark("time_to_target")
 
 
 def arguments(**changes) -> argparse.Namespace:
@@ -61,31 +52,15 @@ def test_the_race_is_a_valid_server_race_with_each_contestants_h(bench, tmp_path
                     ("k_batch_async", 2, 1), ("k_batch_async", 2, 4)]
 
 
-def fake_contestant(run_dir: Path, overrides: list[str], losses, seconds_per_update: float) -> Path:
-    """A contestant's folder as the app leaves it: .hydra/config.yaml and wallclock.csv."""
-    cfg = compose_config("train", ["race=none", *overrides])
-    (run_dir / ".hydra").mkdir(parents=True)
-    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-    logs = run_dir / "csv" / "version_0"
-    logs.mkdir(parents=True)
-    with open(logs / "wallclock.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(METRIC_NAMES))
-        writer.writeheader()
-        for j, loss in enumerate(losses):
-            writer.writerow(dict(zip(METRIC_NAMES, (j + 1, (j + 1) * seconds_per_update, 0.0,
-                                                    32 * (j + 1), loss, 0.0, 4, 4))))
-    return run_dir
-
-
 def test_figures_use_ddps_final_loss_as_the_target(bench, tmp_path):
     args = arguments(variants=["sync"], h=[1, 4])
     entries = bench.contestants(args)
     ddp = np.linspace(2.0, 0.5, 30)
     sync = np.linspace(2.0, 0.3, 60)  # one update per inner step
     local = np.linspace(2.0, 0.2, 15)  # H = 4: 15 updates for the same 60 inner steps
-    dirs = [fake_contestant(tmp_path / "1-sync-ddp", ["engine=ddp"], ddp, 0.12),
-            fake_contestant(tmp_path / "2-sync", [], sync, 0.11),
-            fake_contestant(tmp_path / "3-sync", ["variant.local_steps=4"], local, 0.35)]
+    dirs = [fake_contestant(tmp_path / "1-sync-ddp", ["engine=ddp"], ddp, 0.12, staleness_max=4, k=4),
+            fake_contestant(tmp_path / "2-sync", [], sync, 0.11, staleness_max=4, k=4),
+            fake_contestant(tmp_path / "3-sync", ["variant.local_steps=4"], local, 0.35, staleness_max=4, k=4)]
     rows, target = bench.measure(entries, dirs, window=5)
     assert target == pytest.approx(float(np.mean(ddp[-5:]))) == pytest.approx(final_loss(ddp, 5))
     times = [time_to_loss((np.arange(len(x)) + 1) * dt, x, target, 5)
