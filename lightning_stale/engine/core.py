@@ -64,6 +64,7 @@ class PushedGradient:
     contribution: Contribution | None
     loss: float
     samples: int
+    local_steps: int = 1  # the H of the round it ends (local updates)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,6 @@ class ServerCore:
         # Inner steps along the server's trajectory (``global_step`` with local updates): each
         # update adds the H of the push that completed it, as `SimulatedServer.inner_steps` does.
         self.inner_steps = 0
-        self._push_steps = 1  # the H of the push being decided
         if adaptive is not None:
             self.rules.set_k(adaptive.k)
         needs_parameters = compensation is not None and compensation.needs_parameters
@@ -169,10 +169,10 @@ class ServerCore:
             self.observer.on_push(self, decision, clock, loss)
         if stopped:
             return Outcome(decision)
+        steps = max(1, int(local_steps))
         if decision.accepted and decision.push is not None:
-            self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples))
-        self._push_steps = max(1, int(local_steps))
-        return self._decided(decision, clock, pushed=True)
+            self._pending[decision.push.id] = PushedGradient(contribution, float(loss), int(samples), steps)
+        return self._decided(decision, clock, pushed_steps=steps)
 
     def holds(self, contribution: Contribution) -> bool:
         """Whether ``contribution`` waits among the accepted gradients for a later update."""
@@ -188,7 +188,7 @@ class ServerCore:
         decision = self.rules.remove_learner(learner)
         if self.observer is not None:
             self.observer.on_remove_learner(self, learner, clock)
-        return self._decided(decision, clock, pushed=False)
+        return self._decided(decision, clock, pushed_steps=0)
 
     def end_epoch(self) -> None:
         """An epoch ended; training stops if that was the last epoch or update."""
@@ -248,10 +248,12 @@ class ServerCore:
         self._snapshot_current()
 
     # ------------------------------------------------------------------ internals
-    def _decided(self, decision: Decision, clock: float, pushed: bool) -> Outcome:
-        """Apply the update ``decision`` completes, if any; end the epoch (on a push) or stop where due."""
+    def _decided(self, decision: Decision, clock: float, pushed_steps: int) -> Outcome:
+        """Apply the update ``decision`` completes, if any; end the epoch (on a push) or stop where
+        due. ``pushed_steps``: the H of the push decided (0: no push, a learner's removal)."""
         applied = self._apply(decision.update, clock) if decision.update is not None else {}
-        self._pushes_this_epoch += pushed * (self._push_steps if self.limits.epoch_in_inner_steps else 1)
+        pushed = pushed_steps > 0
+        self._pushes_this_epoch += pushed_steps if self.limits.epoch_in_inner_steps else int(pushed)
         epoch_ended = pushed and 0 < self.limits.pushes_per_epoch <= self._pushes_this_epoch
         if epoch_ended:
             self.end_epoch()
@@ -303,7 +305,7 @@ class ServerCore:
             k = self.adaptive.observe(self._last_update_s, record.loss)
             if k is not None and k != self.rules.k:
                 self.rules.set_k(k)  # between updates: nothing is pending now
-        self.inner_steps += self._push_steps
+        self.inner_steps += pushed[-1].local_steps  # (the H of the push that completed the update)
         if self.adaptive_h is not None:
             # A new H goes with this update's answers: the rounds they start take it; rounds in
             # progress keep theirs (as `SimulatedServer` starts rounds with the cluster's H).
