@@ -74,8 +74,9 @@ class LocalSteps:
             metrics = learner.wait_for_metrics(self.epochs_ended + 1) if self.schedules.plateaus else {}
             if metrics is None:
                 break  # the run stopped: no round follows
-            self.schedules.epoch_ended(self.epochs_ended, learner.epoch_inner_steps if self.adaptive
-                                       else learner.epoch_version * self.local_steps, metrics)
+            self.schedules.epoch_ended(self.epochs_ended,
+                                       self._inner_steps_at(learner.epoch_version, learner.epoch_inner_steps),
+                                       metrics)
             self.epochs_ended += 1
             if self.before_plateau and self.round is not None:
                 learner.cancelled += 1  # (as a mini-batch started after an epoch's end is discarded)
@@ -112,14 +113,13 @@ class LocalSteps:
                 return True
             return False
         self.round = None
-        # (a copy: the optimizer keeps its own, which a checkpoint between rounds saves)
-        state = cloned_state([self.optimizer.state.get(p) for p in optimizer_params(self.optimizer)])
         learner.exchange.present = round_.present  # type: ignore[attr-defined]
         cancelled, pushes = learner.cancelled, learner.pushes
-        learner.step(round_.loss, self.samples, self.started_at)
+        learner.step(round_.loss, self.samples, self.started_at)  # (leaves the optimizer as it is)
         if learner.cancelled == cancelled:  # pushed, or carried over an epoch's end to be pushed
-            self.state = state
-        if learner.cancelled != cancelled:
+            # (a copy: the optimizer keeps its own, which a checkpoint between rounds saves)
+            self.state = cloned_state([self.optimizer.state.get(p) for p in optimizer_params(self.optimizer)])
+        else:
             give_inner_state(self.optimizer, cloned_state(self.state))
         self.pushed = learner.pushes > pushes
         self._follow_server()  # (the schedule stands where the parameters held come from, the final ones too)
@@ -132,8 +132,12 @@ class LocalSteps:
     @property
     def inner_steps(self) -> int:
         """Inner steps along the server's trajectory up to the version held (``global_step``)."""
-        learner = self.learner
-        return learner.inner_steps if self.adaptive else max(learner.version, 0) * self.local_steps
+        return self._inner_steps_at(self.learner.version, self.learner.inner_steps)
+
+    def _inner_steps_at(self, version: int, counted: int) -> int:
+        """Inner steps up to server ``version``: under AdaComm the server's count (``counted``,
+        from its answers), else version x H."""
+        return counted if self.adaptive else max(version, 0) * self.local_steps
 
     def _abandon(self) -> None:
         """Drop the round and what it did to the inner optimizer's state."""
