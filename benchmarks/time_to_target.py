@@ -51,23 +51,19 @@ from pathlib import Path
 from _common import base_parser, prepare_out, table, write_results
 from lightning_stale.analysis.race import final_loss, time_to_loss, write_race_report
 from lightning_stale.analysis.runs import load_run
+from lightning_stale.config import parse_contestant
 
 NESTEROV = "{class_path: torch.optim.SGD, init_args: {lr: 0.7, momentum: 0.9, nesterov: true}}"
 SYNC_FAMILY = ("sync", "k_sync", "k_batch_sync")
-
-
-def parse_variant(spec: str) -> tuple[str, int | None]:
-    """``k_sync:3`` -> ("k_sync", 3); ``sync`` -> ("sync", None)."""
-    name, _, k = spec.partition(":")
-    return name, int(k) if k else None
 
 
 def contestants(args) -> list[dict]:
     """The race's contestants, ddp first, each with the (variant, K, H, outer) it stands for."""
     found = [dict(spec=f"{{variant: sync, engine: ddp, overrides: {{trainer.max_steps: {args.ddp_steps}}}}}",
                   variant="ddp", k=None, h=1, outer="")]
-    for spec in args.variants:
-        name, k = parse_variant(spec)
+    for index, spec in enumerate(args.variants, start=1):
+        parsed = parse_contestant(spec, "server", index)  # (the race's VARIANT[:K], checked)
+        name, k = parsed.variant, parsed.k
         for h in args.h:
             nesterov = args.outer == "nesterov" and h > 1 and name in SYNC_FAMILY
             overrides = [f"variant.local_steps: {h}"] + ([f"variant.outer_optimizer: {NESTEROV}"]
